@@ -1,0 +1,11 @@
+"""Capture: BPF probes (probes/<name>.bpf.c) each paired with a decoder module of the same name.
+
+Decoders import no bcc: they turn recorded event bytes into Arrow tables, so they are tested
+on recorded bytes without root. Only kvtrace.capture.loader imports bcc.
+"""
+from kvtrace.capture import blockio, fdopen, fileio, iouring, proc
+
+# Order matters only for the program text: proc first (it maintains the target set).
+PROBES = (proc, blockio, fileio, fdopen, iouring)
+BY_KIND = {p.KIND: p for p in PROBES}
+BY_NAME = {p.NAME: p for p in PROBES}

@@ -1,0 +1,82 @@
+"""The event header every probe emits (struct kv_hdr in probes/kvtrace.h) and helpers to
+mirror C structs as numpy dtypes, decode batches of raw events and check the mirrors."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+KIND_BLOCK, KIND_FILEIO, KIND_FDOPEN, KIND_URING, KIND_PROC, KIND_USER = 1, 2, 3, 4, 5, 6
+NKINDS = 16
+
+# struct kv_hdr: (field, numpy type); the C name of each field is "h.<field>".
+HEADER = [
+    ("kind", "u1"),
+    ("version", "u1"),
+    ("size", "<u2"),
+    ("cpu", "<u4"),
+    ("ts", "<u8"),
+    ("tgid", "<u4"),
+    ("tid", "<u4"),
+]
+HEADER_FIELDS = {name for name, _ in HEADER}
+
+
+def struct_dtype(fields: list[tuple[str, str]]) -> np.dtype:
+    """A packed dtype of the header followed by ``fields`` (C layout is already aligned)."""
+    return np.dtype(HEADER + fields)
+
+
+def c_name(field_name: str) -> str:
+    return f"h.{field_name}" if field_name in HEADER_FIELDS else field_name
+
+
+def static_asserts(struct: str, dtype: np.dtype) -> str:
+    """C _Static_asserts that the BPF struct has exactly the layout of its Python mirror."""
+    lines = [f'_Static_assert(sizeof(struct {struct}) == {dtype.itemsize}, "{struct}: size differs from kvtrace/capture mirror");']
+    for name in dtype.names:
+        if name.startswith("pad"):
+            continue
+        off = dtype.fields[name][1]
+        lines.append(
+            f'_Static_assert(__builtin_offsetof(struct {struct}, {c_name(name)}) == {off}, "{struct}.{name}: offset differs from mirror");'
+        )
+    return "\n".join(lines)
+
+
+def decode_array(raw: list[bytes], dtype: np.dtype) -> np.ndarray:
+    """Concatenate same-kind records into one structured array; records of another size are dropped."""
+    size = dtype.itemsize
+    good = [r for r in raw if len(r) == size]
+    if not good:
+        return np.zeros(0, dtype=dtype)
+    return np.frombuffer(b"".join(good), dtype=dtype)
+
+
+def cstr(col: np.ndarray) -> list[str]:
+    """Fixed-size C char arrays (numpy 'S') to Python strings, cut at the first NUL."""
+    return [b.split(b"\0", 1)[0].decode("utf-8", "replace") for b in col.tolist()]
+
+
+@dataclass
+class DecodeContext:
+    """State decoders share across batches: fd→path table, device names, process comms."""
+
+    fd_paths: dict[tuple[int, int], str] = field(default_factory=dict)
+    cwd: dict[int, str] = field(default_factory=dict)
+    dev_names: dict[int, str] = field(default_factory=dict)
+    malformed: int = 0
+
+    def dev_name(self, dev: int) -> str:
+        """Kernel dev_t (major<<20 | minor) to a disk name via /sys/dev/block."""
+        name = self.dev_names.get(dev)
+        if name is None:
+            major, minor = dev >> 20, dev & ((1 << 20) - 1)
+            try:
+                import os
+
+                name = os.path.basename(os.readlink(f"/sys/dev/block/{major}:{minor}"))
+            except OSError:
+                name = f"{major}:{minor}"
+            self.dev_names[dev] = name
+        return name

@@ -1,0 +1,114 @@
+"""Decoder for probes/fdopen.bpf.c: opened files (table ``file_open``); feeds fd→path resolution."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pyarrow as pa
+
+from kvtrace.capture.events import KIND_FDOPEN, DecodeContext, cstr, decode_array, struct_dtype
+
+NAME = "fdopen"
+KIND = KIND_FDOPEN
+SOURCE = "fdopen.bpf.c"
+STRUCT = "kv_fdopen_event"
+TABLE = "file_open"
+DTYPE = struct_dtype(
+    [
+        ("ts_enter", "<u8"),
+        ("fd", "<i4"),
+        ("dfd", "<i4"),
+        ("flags", "<u4"),
+        ("pad", "<u4"),
+        ("path", "S256"),
+    ]
+)
+AT_FDCWD = -100
+HISTORY = 8  # opens remembered per (pid, fd)
+
+
+def config(tp) -> tuple[list[str], str | None]:
+    if not (tp("syscalls", "sys_enter_openat") and tp("syscalls", "sys_exit_openat")):
+        return [], "syscalls:sys_enter/exit_openat missing: paths only from /proc at attach"
+    flags = []
+    if tp("syscalls", "sys_enter_openat2"):
+        flags.append("-DKV_HAVE_OPENAT2")
+    if tp("syscalls", "sys_enter_open"):
+        flags.append("-DKV_HAVE_OPEN")
+    return flags, None
+
+
+def absolute(ctx: DecodeContext, pid: int, dfd: int, path: str, ts: int) -> str:
+    if path.startswith("/") or not path:
+        return path
+    if dfd == AT_FDCWD:
+        base = ctx.cwd.get(pid)
+        if base is None:
+            try:
+                base = os.readlink(f"/proc/{pid}/cwd")
+            except OSError:
+                base = ""
+            ctx.cwd[pid] = base
+    else:
+        base = resolve(ctx, pid, dfd, ts)
+    return os.path.normpath(os.path.join(base, path)) if base else path
+
+
+def remember(ctx: DecodeContext, pid: int, fd: int, ts: int, path: str) -> None:
+    hist = ctx.fd_paths.setdefault((pid, fd), [])
+    hist.append((ts, path))
+    hist.sort()
+    del hist[:-HISTORY]
+
+
+def resolve(ctx: DecodeContext, pid: int, fd: int, ts: int) -> str:
+    """The path fd referred to at time ts: the latest open before ts, else /proc (best effort)."""
+    hist = ctx.fd_paths.get((pid, fd))
+    if hist:
+        for t, p in reversed(hist):
+            if t <= ts:
+                return p
+    try:
+        path = os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        path = ""
+    remember(ctx, pid, fd, 0, path)
+    return path
+
+
+def snapshot(ctx: DecodeContext, pid: int) -> None:
+    """Record the files pid has open now (fds opened before the attach)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+        ctx.cwd[pid] = os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return
+    for fd in fds:
+        try:
+            remember(ctx, pid, int(fd), 0, os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except (OSError, ValueError):
+            pass
+
+
+def decode(raw: list[bytes], ctx: DecodeContext) -> pa.Table:
+    a = decode_array(raw, DTYPE)
+    paths = cstr(a["path"])
+    full = []
+    for i, path in enumerate(paths):
+        pid, fd, ts = int(a["tgid"][i]), int(a["fd"][i]), int(a["ts"][i])
+        p = absolute(ctx, pid, int(a["dfd"][i]), path, ts)
+        full.append(p)
+        if fd >= 0:
+            remember(ctx, pid, fd, ts, p)
+    return pa.table(
+        {
+            "ts_ns": pa.array(a["ts"], pa.uint64()),
+            "start_ns": pa.array(a["ts_enter"], pa.uint64()),
+            "pid": pa.array(a["tgid"], pa.uint32()),
+            "tid": pa.array(a["tid"], pa.uint32()),
+            "fd": pa.array(a["fd"], pa.int32()),
+            "flags": pa.array(a["flags"], pa.uint32()),
+            "path": pa.array(full, pa.string()),
+            "latency_ns": pa.array(a["ts"].astype(np.int64) - a["ts_enter"].astype(np.int64), pa.int64()),
+        }
+    )

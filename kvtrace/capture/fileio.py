@@ -1,0 +1,79 @@
+"""Decoder for probes/fileio.bpf.c: read/write system calls with path, bytes and latency
+(table ``file_io``)."""
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from kvtrace.capture import fdopen
+from kvtrace.capture.events import KIND_FILEIO, DecodeContext, decode_array, struct_dtype
+
+NAME = "fileio"
+KIND = KIND_FILEIO
+SOURCE = "fileio.bpf.c"
+STRUCT = "kv_fileio_event"
+TABLE = "file_io"
+DTYPE = struct_dtype(
+    [
+        ("ts_enter", "<u8"),
+        ("ret", "<i8"),
+        ("pos", "<i8"),
+        ("count", "<u8"),
+        ("fd", "<i4"),
+        ("sys", "<u4"),
+    ]
+)
+SYSCALLS = ["read", "pread64", "readv", "preadv", "preadv2", "write", "pwrite64", "writev", "pwritev", "pwritev2"]
+VECTOR = {2, 3, 4, 7, 8, 9}
+READS = set(SYSCALLS[:5])
+
+
+def config(tp, trace_writes: bool = True) -> tuple[list[str], str | None]:
+    needed = [("sys_enter_read", "sys_exit_read"), ("sys_enter_pread64", "sys_exit_pread64")]
+    for enter, exit_ in needed:
+        if not (tp("syscalls", enter) and tp("syscalls", exit_)):
+            return [], f"syscalls:{enter} missing (CONFIG_FTRACE_SYSCALLS off?)"
+    return (["-DKV_TRACE_WRITES"] if trace_writes else []), None
+
+
+def decode(raw: list[bytes], ctx: DecodeContext) -> pa.Table:
+    a = decode_array(raw, DTYPE)
+    n = len(a)
+    pids = a["tgid"].astype(np.int64)
+    fds = a["fd"].astype(np.int64)
+    paths = [""] * n
+    if n:
+        keys = (pids << 32) | (fds & 0xFFFFFFFF)
+        uniq, inverse = np.unique(keys, return_inverse=True)
+        for j, key in enumerate(uniq.tolist()):
+            pid, fd = key >> 32, key & 0xFFFFFFFF
+            rows = np.flatnonzero(inverse == j)
+            hist = ctx.fd_paths.get((pid, fd))
+            if not hist or len(hist) == 1:
+                path = fdopen.resolve(ctx, pid, fd, 1 << 63)
+                for r in rows.tolist():
+                    paths[r] = path
+            else:
+                for r in rows.tolist():
+                    paths[r] = fdopen.resolve(ctx, pid, fd, int(a["ts_enter"][r]))
+    ret = a["ret"].astype(np.int64)
+    sys = a["sys"].astype(np.int64)
+    names = np.array(SYSCALLS + ["?"] * 6, dtype=object)[np.clip(sys, 0, 15)]
+    is_vec = np.isin(sys, list(VECTOR))
+    return pa.table(
+        {
+            "ts_ns": pa.array(a["ts"], pa.uint64()),
+            "start_ns": pa.array(a["ts_enter"], pa.uint64()),
+            "pid": pa.array(a["tgid"], pa.uint32()),
+            "tid": pa.array(a["tid"], pa.uint32()),
+            "syscall": pa.array(names.tolist(), pa.string()),
+            "fd": pa.array(a["fd"], pa.int32()),
+            "path": pa.array(paths, pa.string()),
+            "offset": pa.array(a["pos"], pa.int64()),
+            "requested": pa.array(np.where(is_vec, 0, a["count"]).astype(np.uint64), pa.uint64()),
+            "iovcnt": pa.array(np.where(is_vec, a["count"], 0).astype(np.uint32), pa.uint32()),
+            "bytes": pa.array(np.maximum(ret, 0).astype(np.uint64), pa.uint64()),
+            "ret": pa.array(ret, pa.int64()),
+            "latency_ns": pa.array(a["ts"].astype(np.int64) - a["ts_enter"].astype(np.int64), pa.int64()),
+        }
+    )

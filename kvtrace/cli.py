@@ -1,0 +1,44 @@
+"""The ``kvtrace`` command: one module per subcommand under kvtrace/commands/."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from kvtrace import __version__
+from kvtrace.errors import KvtraceError
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="kvtrace")
+def cli() -> None:
+    """Trace KV-cache reuse, eviction and storage I/O of LLM serving (vLLM) with eBPF."""
+
+
+COMMANDS = ("doctor", "attach", "summary")
+
+
+def _register() -> None:
+    import importlib
+
+    for name in COMMANDS:
+        module = importlib.import_module(f"kvtrace.commands.{name}")
+        cli.add_command(module.command)
+
+
+def main(argv: list[str] | None = None) -> None:
+    _register()
+    try:
+        rc = cli.main(args=argv, prog_name="kvtrace", standalone_mode=False)
+    except KvtraceError as e:
+        click.echo(f"kvtrace: {e}", err=True)
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        click.echo("kvtrace: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        click.echo(f"kvtrace: {e.format_message()}", err=True)
+        sys.exit(e.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    sys.exit(rc if isinstance(rc, int) else 0)

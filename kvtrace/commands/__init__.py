@@ -1,0 +1,1 @@
+"""One module per `kvtrace` subcommand; each exposes ``command`` (a click command)."""

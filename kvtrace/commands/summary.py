@@ -1,0 +1,84 @@
+"""`kvtrace summary DIR`: what a recorded dataset holds, per run and per table."""
+from __future__ import annotations
+
+import json
+
+import click
+import pyarrow as pa
+import pyarrow.compute as pc
+from rich.console import Console
+from rich.table import Table
+
+from kvtrace.dataset.reader import Dataset
+from kvtrace.status import human_bytes
+
+
+def _ms(ns) -> str:
+    return "-" if ns is None else f"{ns / 1e6:.3f}"
+
+
+def table_stats(t: pa.Table) -> dict:
+    out = {"rows": t.num_rows}
+    if t.num_rows == 0:
+        return out
+    if "bytes" in t.column_names:
+        out["bytes"] = int(pc.sum(t["bytes"]).as_py() or 0)
+    if "pid" in t.column_names:
+        out["pids"] = sorted(set(pc.unique(t["pid"]).to_pylist()))
+    if "latency_ns" in t.column_names:
+        q = pc.quantile(t["latency_ns"], q=[0.5, 0.99], interpolation="nearest").to_pylist()
+        out["latency_p50_ns"], out["latency_p99_ns"] = q
+    return out
+
+
+def summarize(ds: Dataset, run: str | None = None) -> dict:
+    runs = [r for r in ds.runs() if run is None or r["run"] == run]
+    tables = {}
+    for name in ds.names():
+        t = ds.table(name)
+        if run is not None and "run" in t.column_names:
+            t = t.filter(pc.equal(t["run"].cast(pa.string()), run))
+        tables[name] = table_stats(t)
+    return {"runs": runs, "tables": tables, "problems": ds.problems}
+
+
+def print_summary(ds: Dataset, run: str | None = None, console: Console | None = None) -> dict:
+    console = console or Console(stderr=False)
+    s = summarize(ds, run)
+    for r in s["runs"]:
+        lost = sum((r.get("lost_events") or {}).values())
+        console.print(
+            f"run {r['run']} ({r['status']}): pids {r['pids']}, "
+            f"{(r['stop_ns'] - r['start_ns']) / 1e9:.1f} s, lost {lost}, dropped {r['dropped_events']}, "
+            f"probes {', '.join(r['probes_attached'])}"
+        )
+        for probe, why in (r.get("probes_skipped") or {}).items():
+            if why != "not selected":
+                console.print(f"  skipped {probe}: {why}")
+    t = Table(title=f"kvtrace summary of {ds.root}")
+    for col in ("table", "rows", "bytes", "pids", "p50 ms", "p99 ms"):
+        t.add_column(col, justify="right" if col != "table" else "left")
+    for name, st in s["tables"].items():
+        t.add_row(
+            name, f"{st['rows']:,}", human_bytes(st["bytes"]) if "bytes" in st else "-",
+            ",".join(map(str, st.get("pids", [])[:6])) + (" …" if len(st.get("pids", [])) > 6 else ""),
+            _ms(st.get("latency_p50_ns")), _ms(st.get("latency_p99_ns")),
+        )
+    console.print(t)
+    for p in s["problems"]:
+        console.print(f"[yellow]warning:[/] {p}")
+    return s
+
+
+@click.command("summary")
+@click.argument("directory", type=click.Path())
+@click.option("--run", default=None, help="Only this run id.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def command(directory, run, as_json) -> int:
+    """Summarize a recorded dataset (no root needed)."""
+    ds = Dataset.open(directory)
+    if as_json:
+        click.echo(json.dumps(summarize(ds, run), indent=2, default=str))
+    else:
+        print_summary(ds, run)
+    return 0

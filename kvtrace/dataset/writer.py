@@ -1,0 +1,126 @@
+"""Write the dataset so a crash loses at most the last flush interval.
+
+A Parquet file without its footer is unreadable, so rows are written as small complete
+part files every flush (``<run>-p000001.parquet``, atomically renamed into place), and a
+clean stop compacts a run's parts into one file per table.  The ``runs`` table, rewritten
+at every flush, carries the run's metadata and exact lost-event counts.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import errno
+import json
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from kvtrace import __version__
+from kvtrace.dataset import schema
+from kvtrace.errors import OutputError
+
+FILE_MODE = 0o600
+
+
+def _write(table: pa.Table, path: Path, meta: dict) -> None:
+    """Write table to path atomically (hidden temp file, then rename), mode 0600."""
+    kv = dict(table.schema.metadata or {})
+    kv[schema.META_KEY] = json.dumps(meta).encode()
+    table = table.replace_schema_metadata(kv)
+    tmp = path.parent / f".{path.name}.tmp"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+        with os.fdopen(fd, "wb") as f:
+            pq.write_table(table, f, compression="zstd")
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        if e.errno == errno.ENOSPC:
+            raise OutputError(f"output disk full writing {path}: capture stopped writing; files already written stay readable") from None
+        raise OutputError(f"cannot write {path}: {e.strerror}") from None
+
+
+class DatasetWriter:
+    def __init__(self, root: str | os.PathLike, run: str, host: str):
+        self.root = Path(root)
+        self.run = run
+        self.host = host
+        self.seq = 0
+        self.pending: dict[str, list[pa.Table]] = {}
+        self.rows: dict[str, int] = {}
+        self.parts: dict[str, list[Path]] = {}
+        self.check_writable()
+
+    def check_writable(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OutputError(f"cannot create output directory {self.root}: {e.strerror}") from None
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise OutputError(f"output directory {self.root} is not writable: choose another --out")
+
+    def _dir(self, table: str) -> Path:
+        date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
+        return self.root / table / f"host={self.host}" / f"date={date}"
+
+    def _meta(self, table: str) -> dict:
+        return {"schema_version": schema.SCHEMA_VERSION, "kvtrace_version": __version__, "run": self.run, "table": table}
+
+    def add(self, name: str, table: pa.Table) -> None:
+        if table.num_rows == 0:
+            return
+        table = table.cast(schema.TABLES[name]) if name in schema.TABLES else table
+        self.pending.setdefault(name, []).append(table)
+        self.rows[name] = self.rows.get(name, 0) + table.num_rows
+
+    def flush(self, run_row: dict) -> None:
+        """Write pending rows as part files, then the run's metadata row."""
+        self.seq += 1
+        for name, tables in self.pending.items():
+            if not tables:
+                continue
+            table = schema.with_run(pa.concat_tables(tables), self.run)
+            path = self._dir(name) / f"{self.run}-p{self.seq:06d}.parquet"
+            _write(table, path, self._meta(name))
+            self.parts.setdefault(name, []).append(path)
+        self.pending = {}
+        self.write_run(run_row)
+
+    def write_run(self, run_row: dict) -> None:
+        row = {f.name: [run_row.get(f.name)] for f in schema.RUNS}
+        table = pa.table(row, schema=schema.RUNS)
+        _write(table, self._dir("runs") / f"{self.run}.parquet", self._meta("runs"))
+
+    def compact(self) -> None:
+        """Merge each table's part files of this run into one file per partition directory
+        (streaming, so memory stays bounded by one part)."""
+        for name, parts in self.parts.items():
+            by_dir: dict[Path, list[Path]] = {}
+            for p in parts:
+                by_dir.setdefault(p.parent, []).append(p)
+            merged = []
+            for folder, group in by_dir.items():
+                merged.append(self._merge(name, folder, group) if len(group) > 1 else group[0])
+            self.parts[name] = merged
+
+    def _merge(self, name: str, folder: Path, group: list[Path]) -> Path:
+        out = folder / f"{self.run}.parquet"
+        tmp = folder / f".{out.name}.tmp"
+        first = pq.read_schema(group[0])
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+            with os.fdopen(fd, "wb") as f, pq.ParquetWriter(f, first, compression="zstd") as w:
+                for p in group:
+                    w.write_table(pq.read_table(p, schema=first))
+            os.replace(tmp, out)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise OutputError(f"cannot compact {name}: {e.strerror}; the part files stay readable") from None
+        for p in group:
+            p.unlink(missing_ok=True)
+        return out

@@ -1,0 +1,1 @@
+"""What this host offers: privileges, tracefs, BTF, headers, tracepoint families (no bcc import)."""

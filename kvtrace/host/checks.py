@@ -1,0 +1,124 @@
+"""Every capability check `kvtrace doctor` reports, gathered at once.
+
+Each check says what the host offers and what kvtrace does with it, so a user sees every
+gap in one table instead of meeting them one by one.
+"""
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvtrace.host import privileges, tracefs
+
+OK, MISSING, ABSENT_FINE = "ok", "missing", "absent"
+
+
+@dataclass
+class Check:
+    name: str
+    status: str          # ok / missing / absent (absent and fine)
+    detail: str
+    use: str             # what kvtrace does with it
+    required: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+
+@dataclass
+class Report:
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def capture_available(self) -> bool:
+        return all(c.ok for c in self.checks if c.required)
+
+    def to_json(self) -> dict:
+        return {
+            "capture_available": self.capture_available,
+            "kernel": platform.release(),
+            "checks": [c.__dict__ for c in self.checks],
+        }
+
+
+# (family name, tracepoints that make it up (any one present is enough), what it feeds)
+FAMILIES = [
+    ("block io_start/done (6.5+)", [("block", "block_io_start"), ("block", "block_io_done")], "block I/O submitter (pid/tid)"),
+    ("block rq issue/complete", [("block", "block_rq_issue"), ("block", "block_rq_complete")], "block I/O queue and device latency"),
+    ("block bio_queue", [("block", "block_bio_queue")], "submitter on kernels before 6.5"),
+    ("syscalls read/pread/readv", [("syscalls", "sys_enter_pread64"), ("syscalls", "sys_enter_read")], "file reads by syscall"),
+    ("syscalls openat", [("syscalls", "sys_enter_openat")], "fd to path"),
+    ("io_uring", [("io_uring", "io_uring_submit_req"), ("io_uring", "io_uring_submit_sqe"), ("io_uring", "io_uring_complete")], "io_uring submit/complete"),
+    ("sched fork/exit", [("sched", "sched_process_fork"), ("sched", "sched_process_exit")], "follow children"),
+    ("nvme", [("nvme", "nvme_setup_cmd"), ("nvme", "nvme_complete_rq")], "NVMe(-oF) per-queue commands"),
+    ("rdma_core", [("rdma_core", "cq_poll")], "kernel RDMA CQ polling (nvme-rdma)"),
+    ("rdma_cma", [("rdma_cma", "cm_event_handler")], "RDMA connection events"),
+    ("tcp", [("tcp", "tcp_retransmit_skb"), ("tcp", "tcp_probe")], "NVMe/TCP retransmits and RTT"),
+]
+
+
+def _bcc() -> Check:
+    try:
+        import bcc  # noqa: F401  (capture side only: doctor reports whether it imports)
+
+        return Check("bcc (python3-bpfcc)", OK, f"{bcc.__file__}", "compiles and loads the probes", True)
+    except Exception as e:  # ImportError, or a broken libbcc
+        return Check("bcc (python3-bpfcc)", MISSING, f"{type(e).__name__}: {e}; apt-get install python3-bpfcc and use /usr/bin/python3 or a --system-site-packages venv", "compiles and loads the probes", True)
+
+
+def _headers() -> Check:
+    build = Path("/lib/modules") / platform.release() / "build"
+    if os.environ.get("BCC_KERNEL_SOURCE"):
+        build = Path(os.environ["BCC_KERNEL_SOURCE"])
+    if (build / "include" / "linux" / "kconfig.h").exists() or (build / "include" / "generated").exists():
+        return Check("kernel headers", OK, f"{build} -> {os.path.realpath(build)}", "bcc compiles against them", True)
+    if Path("/sys/kernel/kheaders.tar.xz").exists():
+        return Check("kernel headers", OK, "/sys/kernel/kheaders.tar.xz", "bcc compiles against them", True)
+    return Check("kernel headers", MISSING, f"no {build}; install linux-headers-amd64 and run scripts/setup-host (links the nearest tree)", "bcc compiles against them", True)
+
+
+def _privileges() -> list[Check]:
+    caps = privileges.effective_caps()
+    root = os.geteuid() == 0
+    out = [Check("root", OK if root else MISSING, f"euid={os.geteuid()}", "tracefs and bcc's compiler need it", True)]
+    for name, cap in (("CAP_BPF", privileges.CAP_BPF), ("CAP_PERFMON", privileges.CAP_PERFMON), ("CAP_SYS_ADMIN", privileges.CAP_SYS_ADMIN)):
+        have = privileges.has_cap(cap, caps)
+        out.append(Check(name, OK if have else MISSING, f"CapEff=0x{caps:x}", "load BPF programs / attach tracepoints", False))
+    out.append(Check("CAP_SYS_PTRACE", OK if privileges.has_cap(privileges.CAP_SYS_PTRACE, caps) else MISSING, "", "inject the hook into a running vLLM", False))
+    if not any(privileges.has_cap(c, caps) for c in (privileges.CAP_BPF, privileges.CAP_SYS_ADMIN)):
+        out[1].required = True
+    return out
+
+
+def _kernel_features() -> list[Check]:
+    base = tracefs.root()
+    out = [
+        Check("tracefs", OK if base else MISSING, str(base) if base else "mount -t tracefs tracefs /sys/kernel/tracing", "tracepoint formats and existence", True),
+        Check("BTF", OK if Path("/sys/kernel/btf/vmlinux").exists() else MISSING, "/sys/kernel/btf/vmlinux", "struct offsets for raw tracepoints (optional)", False),
+    ]
+    uprobes = bool(base) and (base / "uprobe_events").exists()
+    out.append(Check("uprobes", OK if uprobes else MISSING, "uprobe_events" if uprobes else "CONFIG_UPROBE_EVENTS off", "user probes in vLLM (the hook's marker)", False))
+    kprobes = bool(base) and (base / "kprobe_events").exists()
+    out.append(Check("kprobes", OK if kprobes else ABSENT_FINE, "present (unused)" if kprobes else "absent: kvtrace uses tracepoints only", "not needed", False))
+    for name, tps, use in FAMILIES:
+        present = [f"{c}:{e}" for c, e in tps if tracefs.tracepoint_exists(c, e)]
+        status = OK if present else ABSENT_FINE
+        detail = ", ".join(present) if present else "not in this kernel: skipped"
+        out.append(Check(f"tracepoints: {name}", status, detail, use, False))
+    syscalls = any(c.ok for c in out if c.name.startswith("tracepoints: syscalls read"))
+    block = any(c.ok for c in out if c.name.startswith("tracepoints: block rq"))
+    if not (syscalls or block):
+        out.append(Check("capture families", MISSING, "neither syscall nor block tracepoints exist", "nothing to capture", True))
+    return out
+
+
+def run_all() -> Report:
+    report = Report()
+    report.checks.extend(_privileges())
+    report.checks.extend(_kernel_features())
+    report.checks.append(_headers())
+    report.checks.append(_bcc())
+    return report

@@ -1,0 +1,132 @@
+"""The capture pipeline, wired in one place:
+
+    source (ring buffer, kvtrace.capture.loader)
+      → decode (one decoder per probe, kvtrace.capture.<probe>)
+      → correlate (later stages join kernel and vLLM events)
+      → sinks (Parquet dataset, live status line)
+
+``Pipeline.step()`` moves one batch through; the attach command calls it once per flush.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from kvtrace import __version__
+from kvtrace.capture import BY_KIND, events, fdopen
+from kvtrace.capture.events import DecodeContext
+from kvtrace.capture.program import Plan
+from kvtrace.dataset import schema
+from kvtrace.dataset.writer import DatasetWriter
+
+# Decode opens before reads so fd→path resolution sees them.
+DECODE_ORDER = [events.KIND_PROC, events.KIND_FDOPEN]
+
+
+def clock_offset_ns() -> int:
+    """wall - monotonic, from the tightest of a few paired reads (bpf_ktime_get_ns is CLOCK_MONOTONIC)."""
+    best = None
+    for _ in range(5):
+        m0 = time.monotonic_ns()
+        w = time.time_ns()
+        m1 = time.monotonic_ns()
+        if best is None or m1 - m0 < best[0]:
+            best = (m1 - m0, w - (m0 + m1) // 2)
+    return best[1]
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
+
+
+@dataclass
+class Totals:
+    events: dict[str, int] = field(default_factory=dict)
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+    def total(self) -> int:
+        return sum(self.events.values())
+
+
+class Pipeline:
+    def __init__(self, source, plan: Plan, writer: DatasetWriter, pids: list[int], command: str = ""):
+        self.source = source
+        self.plan = plan
+        self.writer = writer
+        self.ctx = DecodeContext()
+        self.totals = Totals()
+        self.pids = list(pids)
+        self.command = command
+        self.start_ns = time.monotonic_ns()
+        self.offset = clock_offset_ns()
+        self.start_wall = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        for pid in pids:
+            fdopen.snapshot(self.ctx, pid)
+
+    def decode(self, batch: dict[int, list[bytes]]) -> dict[str, pa.Table]:
+        out = {}
+        kinds = DECODE_ORDER + [k for k in batch if k not in DECODE_ORDER]
+        for kind in kinds:
+            raw = batch.get(kind)
+            probe = BY_KIND.get(kind)
+            if not raw:
+                continue
+            if probe is None:
+                self.ctx.malformed += len(raw)
+                continue
+            size = probe.DTYPE.itemsize
+            self.ctx.malformed += sum(1 for r in raw if len(r) != size)
+            out[probe.TABLE] = probe.decode(raw, self.ctx)
+        return out
+
+    def step(self, status: str = "running") -> dict[str, pa.Table]:
+        tables = self.decode(self.source.drain())
+        for name, table in tables.items():
+            self.totals.events[name] = self.totals.events.get(name, 0) + table.num_rows
+            if name == "file_io":
+                reads = pc.is_in(table["syscall"], pa.array(["read", "pread64", "readv", "preadv", "preadv2"]))
+                self.totals.bytes_read += int(pc.sum(pc.if_else(reads, table["bytes"], 0)).as_py() or 0)
+                self.totals.bytes_written += int(pc.sum(pc.if_else(reads, 0, table["bytes"])).as_py() or 0)
+            self.writer.add(name, table)
+        self.writer.flush(self.run_row(status))
+        return tables
+
+    def lost_by_table(self) -> dict[str, int]:
+        return {BY_KIND[k].TABLE if k in BY_KIND else f"kind{k}": v for k, v in self.source.lost().items()}
+
+    def run_row(self, status: str) -> dict:
+        return {
+            "run": self.writer.run,
+            "status": status,
+            "schema_version": schema.SCHEMA_VERSION,
+            "kvtrace_version": __version__,
+            "kernel": platform.release(),
+            "start_ns": self.start_ns,
+            "stop_ns": time.monotonic_ns(),
+            "clock_offset_ns": self.offset,
+            "start_wall": self.start_wall,
+            "pids": self.pids,
+            "command": self.command,
+            "probes_attached": self.plan.attached,
+            "probes_skipped": json.dumps(self.plan.skipped),
+            "events": json.dumps(self.totals.events),
+            "lost_events": json.dumps(self.lost_by_table()),
+            "dropped_events": self.source.dropped,
+        }
+
+    def finish(self) -> None:
+        self.step(status="complete")
+        self.writer.compact()
+
+
+def default_host() -> str:
+    return os.environ.get("KVTRACE_HOST") or socket.gethostname()

@@ -1,0 +1,125 @@
+/* blockio.bpf.c: one event per block request issued by a traced process.
+ *
+ * The submitter is only known where the request starts (completion runs in irq or
+ * softirq context), so the request is remembered at block_io_start (6.5+) or, on older
+ * kernels, block_bio_queue, keyed by (dev, sector), stamped at block_rq_issue, and
+ * emitted at block_rq_complete with queue and device latency.  Partial completions emit
+ * one event per completed part and re-key the remainder.
+ */
+
+#include "kvtrace.h"
+
+struct kv_block_key {
+    u64 sector;
+    u32 dev;
+    u32 pad;
+};
+
+struct kv_block_start {
+    u64 ts_start;
+    u64 ts_issue;
+    u32 tgid;
+    u32 tid;
+    u32 bytes;
+    u32 pad;
+    char rwbs[8];
+    char comm[16];
+};
+
+struct kv_block_event {
+    struct kv_hdr h;
+    u64 ts_start;
+    u64 ts_issue;
+    u64 sector;
+    u32 dev;
+    u32 bytes;
+    s32 error;
+    u32 pad;
+    char rwbs[8];
+    char comm[16];
+};
+
+BPF_TABLE("lru_hash", struct kv_block_key, struct kv_block_start, block_start, KV_MAX_INFLIGHT);
+
+static __always_inline int kv_block_remember(u32 dev, u64 sector, u32 bytes, const char *rwbs)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    if (!kv_is_target(tgid))
+        return 0;
+    struct kv_block_key k = {};
+    k.dev = dev;
+    k.sector = sector;
+    struct kv_block_start s = {};
+    s.ts_start = bpf_ktime_get_ns();
+    s.tgid = tgid;
+    s.tid = (u32)id;
+    s.bytes = bytes;
+    bpf_probe_read_kernel(&s.rwbs, sizeof(s.rwbs), rwbs);
+    bpf_get_current_comm(&s.comm, sizeof(s.comm));
+    block_start.update(&k, &s);
+    return 0;
+}
+
+#ifdef KV_HAVE_BLOCK_IO_START
+TRACEPOINT_PROBE(block, block_io_start)
+{
+    return kv_block_remember(args->dev, args->sector, args->bytes, args->rwbs);
+}
+#else
+TRACEPOINT_PROBE(block, block_bio_queue)
+{
+    return kv_block_remember(args->dev, args->sector, args->nr_sector << 9, args->rwbs);
+}
+#endif
+
+TRACEPOINT_PROBE(block, block_rq_issue)
+{
+    struct kv_block_key k = {};
+    k.dev = args->dev;
+    k.sector = args->sector;
+    struct kv_block_start *s = block_start.lookup(&k);
+    if (s && s->ts_issue == 0)
+        s->ts_issue = bpf_ktime_get_ns();
+    return 0;
+}
+
+TRACEPOINT_PROBE(block, block_rq_complete)
+{
+    struct kv_block_key k = {};
+    k.dev = args->dev;
+    k.sector = args->sector;
+    struct kv_block_start *s = block_start.lookup(&k);
+    if (!s)
+        return 0;
+    struct kv_block_start st = *s;
+    block_start.delete(&k);
+    u32 done = args->nr_sector << 9;
+    if (done == 0 || done > st.bytes)
+        done = st.bytes;
+    if (done < st.bytes) {
+        /* partial completion: the rest of the request continues at sector + done */
+        struct kv_block_key rest = k;
+        rest.sector = k.sector + (done >> 9);
+        struct kv_block_start more = st;
+        more.bytes = st.bytes - done;
+        block_start.update(&rest, &more);
+    }
+    struct kv_block_event *e = events.ringbuf_reserve(sizeof(struct kv_block_event));
+    if (!e) {
+        kv_count_lost(KV_KIND_BLOCK);
+        return 0;
+    }
+    kv_fill_hdr(&e->h, KV_KIND_BLOCK, sizeof(*e), st.tgid, st.tid);
+    e->ts_start = st.ts_start;
+    e->ts_issue = st.ts_issue;
+    e->sector = k.sector;
+    e->dev = k.dev;
+    e->bytes = done;
+    e->error = args->error;
+    e->pad = 0;
+    __builtin_memcpy(e->rwbs, st.rwbs, sizeof(e->rwbs));
+    __builtin_memcpy(e->comm, st.comm, sizeof(e->comm));
+    events.ringbuf_submit(e, 0);
+    return 0;
+}

@@ -1,0 +1,77 @@
+/* fdopen.bpf.c: which path each file descriptor of a traced process refers to.
+ * openat/openat2/open are remembered at entry (the user pointer to the name) and
+ * emitted at exit with the new fd, so fileio events can be resolved to paths. */
+
+#include "kvtrace.h"
+
+#define KV_PATH_MAX 256
+
+struct kv_open_start {
+    u64 ts;
+    u64 filename;   /* user pointer */
+    s32 dfd;
+    u32 flags;
+};
+
+struct kv_fdopen_event {
+    struct kv_hdr h;
+    u64 ts_enter;
+    s32 fd;         /* result: fd, or -errno */
+    s32 dfd;
+    u32 flags;
+    u32 pad;
+    char path[KV_PATH_MAX];
+};
+
+BPF_TABLE("lru_hash", u32, struct kv_open_start, open_start, 16384);
+
+static __always_inline int kv_open_enter(s64 dfd, const char *filename, u64 flags)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!kv_is_target(id >> 32))
+        return 0;
+    u32 tid = (u32)id;
+    struct kv_open_start s = {};
+    s.ts = bpf_ktime_get_ns();
+    s.filename = (u64)filename;
+    s.dfd = (s32)dfd;
+    s.flags = (u32)flags;
+    open_start.update(&tid, &s);
+    return 0;
+}
+
+static __always_inline int kv_open_exit(s64 ret)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = (u32)id;
+    struct kv_open_start *s = open_start.lookup(&tid);
+    if (!s)
+        return 0;
+    struct kv_open_start st = *s;
+    open_start.delete(&tid);
+    struct kv_fdopen_event *e = events.ringbuf_reserve(sizeof(struct kv_fdopen_event));
+    if (!e) {
+        kv_count_lost(KV_KIND_FDOPEN);
+        return 0;
+    }
+    kv_fill_hdr(&e->h, KV_KIND_FDOPEN, sizeof(*e), id >> 32, tid);
+    e->ts_enter = st.ts;
+    e->fd = (s32)ret;
+    e->dfd = st.dfd;
+    e->flags = st.flags;
+    e->pad = 0;
+    bpf_probe_read_user_str(e->path, sizeof(e->path), (const void *)st.filename);
+    events.ringbuf_submit(e, 0);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_openat)  { return kv_open_enter(args->dfd, args->filename, args->flags); }
+TRACEPOINT_PROBE(syscalls, sys_exit_openat)   { return kv_open_exit(args->ret); }
+#ifdef KV_HAVE_OPENAT2
+TRACEPOINT_PROBE(syscalls, sys_enter_openat2) { return kv_open_enter(args->dfd, args->filename, 0); }
+TRACEPOINT_PROBE(syscalls, sys_exit_openat2)  { return kv_open_exit(args->ret); }
+#endif
+#ifdef KV_HAVE_OPEN
+TRACEPOINT_PROBE(syscalls, sys_enter_open)    { return kv_open_enter(-100, args->filename, args->flags); }
+TRACEPOINT_PROBE(syscalls, sys_exit_open)     { return kv_open_exit(args->ret); }
+#endif
