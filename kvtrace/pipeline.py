@@ -83,9 +83,14 @@ class Pipeline:
             if probe is None:
                 self.ctx.malformed += len(raw)
                 continue
-            size = probe.DTYPE.itemsize
-            self.ctx.malformed += sum(1 for r in raw if len(r) != size)
-            out[probe.TABLE] = probe.decode(raw, self.ctx)
+            if not getattr(probe, "VARIABLE_SIZE", False):
+                size = probe.DTYPE.itemsize
+                self.ctx.malformed += sum(1 for r in raw if len(r) != size)
+            decoded = probe.decode(raw, self.ctx)
+            if isinstance(decoded, dict):
+                out.update(decoded)
+            else:
+                out[probe.TABLE] = decoded
         return out
 
     def step(self, status: str = "running") -> dict[str, pa.Table]:

@@ -90,7 +90,14 @@ TRACEPOINT_PROBE(syscalls, sys_exit_preadv)    { return kv_sys_exit(args->ret); 
 TRACEPOINT_PROBE(syscalls, sys_enter_preadv2)  { return kv_sys_enter(KV_SYS_PREADV2, args->fd, args->vlen, args->pos_l); }
 TRACEPOINT_PROBE(syscalls, sys_exit_preadv2)   { return kv_sys_exit(args->ret); }
 #ifdef KV_TRACE_WRITES
-TRACEPOINT_PROBE(syscalls, sys_enter_write)    { return kv_sys_enter(KV_SYS_WRITE, args->fd, args->count, -1); }
+TRACEPOINT_PROBE(syscalls, sys_enter_write)
+{
+#ifdef KV_HAVE_USERMARK
+    if (kv_usermark_write((int)args->fd, args->buf, args->count))
+        return 0;
+#endif
+    return kv_sys_enter(KV_SYS_WRITE, args->fd, args->count, -1);
+}
 TRACEPOINT_PROBE(syscalls, sys_exit_write)     { return kv_sys_exit(args->ret); }
 TRACEPOINT_PROBE(syscalls, sys_enter_pwrite64) { return kv_sys_enter(KV_SYS_PWRITE64, args->fd, args->count, args->pos); }
 TRACEPOINT_PROBE(syscalls, sys_exit_pwrite64)  { return kv_sys_exit(args->ret); }

@@ -3,9 +3,10 @@
 Decoders import no bcc: they turn recorded event bytes into Arrow tables, so they are tested
 on recorded bytes without root. Only kvtrace.capture.loader imports bcc.
 """
-from kvtrace.capture import blockio, fdopen, fileio, iouring, proc
+from kvtrace.capture import blockio, fdopen, fileio, iouring, proc, usermark
 
-# Order matters only for the program text: proc first (it maintains the target set).
-PROBES = (proc, blockio, fileio, fdopen, iouring)
+# Order matters for the program text: proc first (it maintains the target set), usermark
+# before fileio (fileio's sys_enter_write hands marker writes to it).
+PROBES = (proc, usermark, blockio, fileio, fdopen, iouring)
 BY_KIND = {p.KIND: p for p in PROBES}
 BY_NAME = {p.NAME: p for p in PROBES}

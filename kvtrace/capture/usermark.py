@@ -1,0 +1,52 @@
+"""Decoder for probes/usermark.bpf.c: frames from the hook inside vLLM, split into records
+(kvtrace.hook.wire) and returned as one Arrow table per record type."""
+from __future__ import annotations
+
+import struct
+
+import pyarrow as pa
+
+from kvtrace.capture.events import HEADER, KIND_USER, DecodeContext, struct_dtype
+from kvtrace.hook.wire import CODEC
+
+NAME = "usermark"
+KIND = KIND_USER
+SOURCE = "usermark.bpf.c"
+STRUCT = "kv_user_small"
+TABLE = "user_records"  # decoded further: one table per record type, named after it
+VARIABLE_SIZE = True
+DTYPE = struct_dtype([("len", "<u4"), ("pad", "<u4"), ("data", "V256")])
+HDR = struct.Struct("<BBHIQII")
+assert HDR.size == 24 and len(HEADER) == 7
+
+
+def config(tp) -> tuple[list[str], str | None]:
+    if not tp("syscalls", "sys_enter_write"):
+        return [], "syscalls:sys_enter_write missing: the vLLM hook's records cannot be received"
+    return [], None
+
+
+def frames(raw: list[bytes]) -> list[tuple[int, int, int, bytes]]:
+    """(ts, pid, tid, frame bytes) of each marker event."""
+    out = []
+    for r in raw:
+        if len(r) < 32:
+            continue
+        _kind, _ver, _size, _cpu, ts, tgid, tid = HDR.unpack_from(r, 0)
+        (n,) = struct.unpack_from("<I", r, 24)
+        out.append((ts, tgid, tid, r[32:32 + n]))
+    return out
+
+
+def records(raw: list[bytes]) -> dict[str, list[dict]]:
+    """Every record of every frame, by record name, with the marker's ts/pid/tid added."""
+    out: dict[str, list[dict]] = {}
+    for ts, pid, tid, frame in frames(raw):
+        for name, rec in CODEC.decode_frame(frame):
+            rec.update(mark_ns=ts, pid=pid, tid=tid)
+            out.setdefault(name, []).append(rec)
+    return out
+
+
+def decode(raw: list[bytes], ctx: DecodeContext) -> dict[str, pa.Table]:
+    return {name: pa.Table.from_pylist(rows) for name, rows in records(raw).items()}

@@ -1,0 +1,95 @@
+"""How the hook's records reach the agent: a marker write(2) on a fixed negative fd.
+
+The agent's BPF program (probes/usermark.bpf.c) catches ``write(MARK_FD, frame)`` at
+syscalls:sys_enter_write in the traced processes and copies the frame into the same ring
+buffer as the kernel events; the call itself fails with EBADF and costs ~1 µs.  Records
+carry their own CLOCK_MONOTONIC times, so frames are sent once per engine step.
+
+While no agent is attached (no live agent pid in the flag file) the hook buffers nothing:
+``enabled`` is re-checked at most once per second, so an idle hook costs one function call
+and a time comparison per step.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from kvtrace.hook.wire import CODEC, MAGIC, MAX_FRAME
+
+MARK_FD = -4242
+FLAG_PATH = os.environ.get("KVTRACE_FLAG", "/dev/shm/kvtrace-agent")
+RECHECK_NS = 1_000_000_000
+
+
+def agent_alive(flag_path: str = FLAG_PATH) -> bool:
+    """True when the flag file names a live agent pid."""
+    try:
+        with open(flag_path) as f:
+            pid = int(f.read().split()[0])
+        os.kill(pid, 0)
+        return True
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+class Transport:
+    def __init__(self, max_buffer: int = 1 << 20, flag_path: str = FLAG_PATH, mark_fd: int = MARK_FD):
+        self.buf: list[bytes] = []
+        self.size = 0
+        self.max_buffer = max_buffer
+        self.flag_path = flag_path
+        self.mark_fd = mark_fd
+        self.enabled = False
+        self.next_check = 0
+        self.emitted = self.dropped = self.errors = 0
+        self.last_error = ""
+
+    def refresh(self, now: int | None = None) -> bool:
+        now = time.monotonic_ns() if now is None else now
+        if now >= self.next_check:
+            self.next_check = now + RECHECK_NS
+            was, self.enabled = self.enabled, agent_alive(self.flag_path)
+            if was and not self.enabled:
+                self.buf, self.size = [], 0
+        return self.enabled
+
+    def emit(self, name: str, *values) -> None:
+        if not self.enabled:
+            return
+        try:
+            rec = CODEC.encode(name, *values)
+        except Exception as e:  # a bad value must never reach vLLM
+            self.error(e)
+            return
+        if self.size + len(rec) > self.max_buffer:
+            self.dropped += 1
+            return
+        self.buf.append(rec)
+        self.size += len(rec)
+        self.emitted += 1
+
+    def error(self, e: BaseException) -> None:
+        self.errors += 1
+        self.last_error = f"{type(e).__name__}: {e}"[:200]
+
+    def flush(self) -> None:
+        """Send buffered records as frames of at most MAX_FRAME bytes."""
+        if not self.buf:
+            return
+        frame, frames = bytearray(MAGIC), []
+        for rec in self.buf:
+            if len(frame) + len(rec) > MAX_FRAME and len(frame) > len(MAGIC):
+                frames.append(bytes(frame))
+                frame = bytearray(MAGIC)
+            if len(rec) + len(MAGIC) > MAX_FRAME:
+                self.dropped += 1
+                continue
+            frame += rec
+        if len(frame) > len(MAGIC):
+            frames.append(bytes(frame))
+        self.buf, self.size = [], 0
+        for f in frames:
+            try:
+                os.write(self.mark_fd, f)
+            except OSError:
+                pass  # EBADF is the expected answer: the BPF program already copied the frame
