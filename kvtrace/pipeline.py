@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvtrace import __version__
-from kvtrace.capture import BY_KIND, events, fdopen
+from kvtrace.capture import BY_KIND, events, fdopen, rawfile
 from kvtrace.capture.events import DecodeContext
 from kvtrace.capture.program import Plan
 from kvtrace.dataset import schema
@@ -58,8 +58,9 @@ class Totals:
 
 
 class Pipeline:
-    def __init__(self, source, plan: Plan, writer: DatasetWriter, pids: list[int], command: str = ""):
+    def __init__(self, source, plan: Plan, writer: DatasetWriter, pids: list[int], command: str = "", raw_out=None):
         self.source = source
+        self.raw_out = raw_out
         self.plan = plan
         self.writer = writer
         self.ctx = DecodeContext()
@@ -94,7 +95,10 @@ class Pipeline:
         return out
 
     def step(self, status: str = "running") -> dict[str, pa.Table]:
-        tables = self.decode(self.source.drain())
+        batch = self.source.drain()
+        if self.raw_out is not None:
+            rawfile.append(self.raw_out, batch)
+        tables = self.decode(batch)
         for name, table in tables.items():
             self.totals.events[name] = self.totals.events.get(name, 0) + table.num_rows
             if name == "file_io":

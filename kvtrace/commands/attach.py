@@ -44,8 +44,9 @@ class Stop:
 @click.option("--ringbuf-pages", type=int, default=1024, show_default=True, help="Ring buffer size in pages (a power of two).")
 @click.option("--flush-interval", type=float, default=1.0, show_default=True, help="Seconds between Parquet part files (a crash loses at most this much).")
 @click.option("--quiet", is_flag=True, help="No live status line.")
+@click.option("--raw-out", type=click.Path(dir_okay=False), default=None, help="Also keep the raw ring-buffer records in this file (for bug reports and decoder tests).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def command(pids, out, duration, probe_names, no_writes, ringbuf_pages, flush_interval, quiet, command) -> int:
+def command(pids, out, duration, probe_names, no_writes, ringbuf_pages, flush_interval, quiet, raw_out, command) -> int:
     """Attach kernel probes to processes and record their I/O.
 
     Trace running processes with --pid, or start one: kvtrace attach --out DIR -- CMD ARGS.
@@ -78,7 +79,8 @@ def command(pids, out, duration, probe_names, no_writes, ringbuf_pages, flush_in
             pids.append(gated.pid)
         for pid in pids:
             source.add_target(pid)
-        pipeline = Pipeline(source, plan, writer, pids, command=" ".join(command))
+        raw = open(raw_out, "wb") if raw_out else None
+        pipeline = Pipeline(source, plan, writer, pids, command=" ".join(command), raw_out=raw)
         for name, why in plan.skipped.items():
             if why != "not selected":
                 click.echo(f"kvtrace: probe {name} skipped: {why}", err=True)
@@ -105,6 +107,8 @@ def command(pids, out, duration, probe_names, no_writes, ringbuf_pages, flush_in
         pipeline.finish()
     finally:
         source.close()
+        if raw_out and "raw" in locals() and raw:
+            raw.close()
     click.echo(f"kvtrace: stopped ({stop.reason}); dataset {out}, run {writer.run}", err=True)
     from kvtrace.commands.summary import print_summary
     from kvtrace.dataset.reader import Dataset

@@ -1,0 +1,141 @@
+"""Start and stop a real vLLM server (CPU build) with a tiny random-weight Llama.
+
+Used by `kvtrace demo` and by the tests.  vLLM lives in its own venv (its interpreter is
+found from $KVTRACE_VLLM_PYTHON, default /var/cache/kvtrace/vllm-venv/bin/python); the model
+is a config.json only (--load-format dummy, --skip-tokenizer-init), so nothing is fetched.
+Prompts are token-id lists.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+DEFAULT_PYTHON = "/var/cache/kvtrace/vllm-venv/bin/python"
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+    "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 8192,
+    "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2,
+    "tie_word_embeddings": False,
+}
+
+
+def vllm_python() -> str:
+    return os.environ.get("KVTRACE_VLLM_PYTHON", DEFAULT_PYTHON)
+
+
+def write_tiny_model(directory: str | os.PathLike) -> Path:
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return d
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class VllmServer:
+    """A vLLM OpenAI server on 127.0.0.1:port; ``start()`` waits until it answers."""
+
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    port: int = 0
+    python: str = field(default_factory=vllm_python)
+    workdir: Path | None = None
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    def start(self, timeout: float = 300.0) -> "VllmServer":
+        self.port = self.port or free_port()
+        self.workdir = Path(self.workdir or tempfile.mkdtemp(prefix="kvtrace-vllm-"))
+        model = write_tiny_model(self.workdir / "tiny-llama")
+        self.model = str(model)
+        self.log_path = self.workdir / "server.log"
+        cmd = [
+            self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+            "--load-format", "dummy", "--skip-tokenizer-init", "--host", "127.0.0.1",
+            "--port", str(self.port), "--max-model-len", "4096", *self.args,
+        ]
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **self.env)
+        env.pop("PYTHONPATH", None)
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     cwd=self.workdir, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode}; see {self.log_path}:\n" + self.tail())
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise RuntimeError(f"vLLM did not answer within {timeout:.0f}s; see {self.log_path}")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def processes(self) -> dict[str, list[int]]:
+        """{'api': [pid], 'engine': [...], 'workers': [...]} by process title."""
+        api = psutil.Process(self.proc.pid)
+        out = {"api": [api.pid], "engine": [], "workers": []}
+        for c in api.children(recursive=True):
+            try:
+                name = c.name()
+            except psutil.Error:
+                continue
+            if name.startswith("VLLM::EngineCor"):
+                out["engine"].append(c.pid)
+            elif name.startswith("VLLM::Worker"):
+                out["workers"].append(c.pid)
+        return out
+
+    def complete(self, prompt: list[int], max_tokens: int = 4, **extra) -> dict:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+        req = urllib.request.Request(f"{self.url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+    def __enter__(self) -> "VllmServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
