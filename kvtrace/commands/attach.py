@@ -6,6 +6,7 @@ import time
 
 import click
 
+from kvtrace.agentflag import AgentFlag
 from kvtrace.capture import BY_NAME, program
 from kvtrace.dataset.writer import DatasetWriter
 from kvtrace.errors import OutputError, PrivilegeError, UsageError
@@ -89,6 +90,7 @@ def command(pids, out, duration, probe_names, no_writes, ringbuf_pages, flush_in
             gated.release()
         stop = Stop(duration)
         status = StatusLine(quiet=quiet)
+        flag = AgentFlag().__enter__() if "usermark" in plan.attached else None
         next_flush = time.monotonic() + flush_interval
         try:
             while not stop.check(source):
@@ -102,6 +104,8 @@ def command(pids, out, duration, probe_names, no_writes, ringbuf_pages, flush_in
             click.echo(f"kvtrace: {e}", err=True)
             raise
         status.done()
+        if flag:
+            flag.__exit__(None, None, None)
         if gated and gated.poll() is None:
             gated.stop()
         pipeline.finish()

@@ -1,0 +1,48 @@
+"""Shared test setup: the `root` marker skips with a stated reason where capture cannot run."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+KVTRACE = [sys.executable, "-m", "kvtrace"]
+
+
+def _root_skip_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (runs in CI as root): BPF capture"
+    try:
+        import bcc  # noqa: F401
+    except Exception as e:
+        return f"needs bcc (apt-get install python3-bpfcc; run from a --system-site-packages venv): {e}"
+    if not Path("/sys/kernel/tracing/events").is_dir():
+        return "needs tracefs mounted at /sys/kernel/tracing (scripts/setup-host)"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = _root_skip_reason()
+    if reason is None:
+        return
+    for item in items:
+        if "root" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def run_kvtrace(*args, check=False, timeout=120, **kw) -> subprocess.CompletedProcess:
+    """Run the kvtrace CLI as a user would, capturing output."""
+    return subprocess.run([*KVTRACE, *args], capture_output=True, text=True, timeout=timeout, check=check, **kw)
+
+
+@pytest.fixture
+def kvtrace_cli():
+    return run_kvtrace
+
+
+def have(cmd: str) -> bool:
+    return shutil.which(cmd) is not None
