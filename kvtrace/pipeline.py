@@ -92,6 +92,7 @@ class Pipeline:
                 out.update(decoded)
             else:
                 out[probe.TABLE] = decoded
+        fdopen.trim(self.ctx)
         return out
 
     def step(self, status: str = "running") -> dict[str, pa.Table]:

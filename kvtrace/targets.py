@@ -1,26 +1,18 @@
 """Choosing what to trace: existing pids, or a command kvtrace starts itself.
 
-A started command waits on a pipe until its pid is in the target set, so its first
-system call is already traced.
+A started command is forked and waits on a pipe until its pid is in the target set,
+then execs, so everything the command does is traced (and only a gate read before it).
 """
 from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
+import signal
+import time
 
 import psutil
 
 from kvtrace.errors import TargetError
-
-# Runs in the child: wait for the go byte on the gate fd, then become the command (same pid).
-_GATE = (
-    "import os,sys\n"
-    "g = int(sys.argv[1]); go = os.read(g, 1); os.close(g)\n"
-    "go or sys.exit(1)\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])"
-)
 
 
 def check_pids(pids: list[int]) -> list[int]:
@@ -44,28 +36,47 @@ class GatedCommand:
     def __init__(self, argv: list[str]):
         if not argv:
             raise TargetError("no command given after --")
-        if shutil.which(argv[0]) is None and not os.path.exists(argv[0]):
+        if shutil.which(argv[0]) is None:
             raise TargetError(f"command not found: {argv[0]}")
         r, w = os.pipe()
-        self._w = w
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _GATE, str(r), *argv],
-            pass_fds=(r,),
-        )
+        pid = os.fork()
+        if pid == 0:  # child: wait at the gate, then become the command (same pid)
+            try:
+                os.close(w)
+                go = os.read(r, 1)
+                os.close(r)
+                if go:
+                    os.execvp(argv[0], argv)
+            except BaseException as e:
+                os.write(2, f"kvtrace: cannot run {argv[0]}: {e}\n".encode())
+            os._exit(127)
         os.close(r)
-        self.pid = self.proc.pid
+        self._w = w
+        self.pid = pid
+        self.returncode: int | None = None
 
     def release(self) -> None:
         os.write(self._w, b"g")
         os.close(self._w)
 
     def poll(self) -> int | None:
-        return self.proc.poll()
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        """Terminate the command (SIGTERM, then SIGKILL after 5 s) and reap it."""
+        if self.poll() is not None:
+            return
+        os.kill(self.pid, signal.SIGTERM)
+        for _ in range(50):
+            if self.poll() is not None:
+                return
+            time.sleep(0.1)
+        os.kill(self.pid, signal.SIGKILL)
+        os.waitpid(self.pid, 0)

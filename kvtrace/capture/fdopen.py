@@ -24,7 +24,6 @@ DTYPE = struct_dtype(
     ]
 )
 AT_FDCWD = -100
-HISTORY = 8  # opens remembered per (pid, fd)
 
 
 def config(tp) -> tuple[list[str], str | None]:
@@ -57,8 +56,14 @@ def absolute(ctx: DecodeContext, pid: int, dfd: int, path: str, ts: int) -> str:
 def remember(ctx: DecodeContext, pid: int, fd: int, ts: int, path: str) -> None:
     hist = ctx.fd_paths.setdefault((pid, fd), [])
     hist.append((ts, path))
-    hist.sort()
-    del hist[:-HISTORY]
+    if len(hist) > 1 and hist[-2][0] > ts:
+        hist.sort()
+
+
+def trim(ctx: DecodeContext) -> None:
+    """After a batch: keep only the latest open per (pid, fd); later batches need no older one."""
+    for hist in ctx.fd_paths.values():
+        del hist[:-1]
 
 
 def resolve(ctx: DecodeContext, pid: int, fd: int, ts: int) -> str:

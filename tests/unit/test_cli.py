@@ -1,0 +1,71 @@
+"""CLI errors: one line, no traceback, the documented exit code."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.conftest import run_kvtrace
+
+
+def one_line_error(p, code):
+    assert p.returncode == code, (p.returncode, p.stderr)
+    lines = [l for l in p.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kvtrace: "), p.stderr
+    assert "Traceback" not in p.stderr
+    return lines[0]
+
+
+def test_attach_without_target_says_what_to_give(tmp_path):
+    line = one_line_error(run_kvtrace("attach", "--out", str(tmp_path)), 2)
+    assert "--pid" in line
+
+
+def test_attach_bad_options():
+    assert "--ringbuf-pages" in one_line_error(run_kvtrace("attach", "--pid", "1", "--out", "/tmp/x", "--ringbuf-pages", "1000"), 2)
+    assert "--duration" in one_line_error(run_kvtrace("attach", "--pid", "1", "--out", "/tmp/x", "--duration", "-1"), 2)
+    one_line_error(run_kvtrace("attach", "--pid", "notanumber", "--out", "/tmp/x"), 2)
+
+
+def test_non_root_is_refused_naming_the_capability(tmp_path):
+    if os.geteuid() == 0:
+        env = dict(os.environ)
+        p = run_kvtrace_as_nobody(tmp_path)
+    else:
+        p = run_kvtrace("attach", "--pid", str(os.getpid()), "--out", str(tmp_path / "o"))
+    line = one_line_error(p, 2)
+    assert "root" in line and "nothing was attached" in line
+    assert not (tmp_path / "o").exists()
+
+
+def run_kvtrace_as_nobody(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    if not shutil.which("setpriv"):
+        pytest.skip("setpriv (util-linux) missing")
+    os.chmod(tmp_path, 0o777)
+    return subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
+         sys.executable, "-m", "kvtrace", "attach", "--pid", "1", "--out", str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=60, cwd="/",
+        env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(__file__)))),
+    )
+
+
+def test_summary_of_a_missing_dataset(tmp_path):
+    line = one_line_error(run_kvtrace("summary", str(tmp_path / "none")), 6)
+    assert "no dataset" in line
+
+
+def test_doctor_json_lists_every_family():
+    import json
+
+    p = run_kvtrace("doctor", "--json")
+    data = json.loads(p.stdout)
+    names = {c["name"] for c in data["checks"]}
+    for fam in ("io_uring", "nvme", "rdma_core", "rdma_cma", "tcp", "syscalls read/pread/readv"):
+        assert f"tracepoints: {fam}" in names
+    assert {"root", "CAP_BPF", "CAP_PERFMON", "BTF", "tracefs", "uprobes", "kprobes", "kernel headers", "bcc (python3-bpfcc)"} <= names
+    assert p.returncode == (0 if data["capture_available"] else 1)
