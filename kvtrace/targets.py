@@ -45,6 +45,7 @@ class GatedCommand:
                 os.close(w)
                 go = os.read(r, 1)
                 os.close(r)
+                os.closerange(3, 1 << 16)  # no agent fd (BPF maps, dataset files) leaks into the command
                 if go:
                     os.execvp(argv[0], argv)
             except BaseException as e:

@@ -45,9 +45,14 @@ def static_asserts(struct: str, dtype: np.dtype) -> str:
 
 
 def decode_array(raw: list[bytes], dtype: np.dtype) -> np.ndarray:
-    """Concatenate same-kind records into one structured array; records of another size are dropped."""
+    """Concatenate same-kind records into one structured array.
+
+    An item is one record, or a run of records back to back (the ring reader's bulk cut);
+    an item whose length is not a multiple of the record size is dropped (counted by the
+    pipeline as malformed).
+    """
     size = dtype.itemsize
-    good = [r for r in raw if len(r) == size]
+    good = [r for r in raw if r and len(r) % size == 0]
     if not good:
         return np.zeros(0, dtype=dtype)
     return np.frombuffer(b"".join(good), dtype=dtype)

@@ -41,24 +41,24 @@ def decode(raw: list[bytes], ctx: DecodeContext) -> pa.Table:
     n = len(a)
     pids = a["tgid"].astype(np.int64)
     fds = a["fd"].astype(np.int64)
-    paths = [""] * n
+    # paths as a dictionary: one resolution per distinct (pid, fd) unless it was reopened
+    path_index = np.zeros(n, dtype=np.int32)
+    dictionary: dict[str, int] = {}
     if n:
         keys = (pids << 32) | (fds & 0xFFFFFFFF)
         uniq, inverse = np.unique(keys, return_inverse=True)
         for j, key in enumerate(uniq.tolist()):
             pid, fd = key >> 32, key & 0xFFFFFFFF
-            rows = np.flatnonzero(inverse == j)
             hist = ctx.fd_paths.get((pid, fd))
             if not hist or len(hist) == 1:
                 path = fdopen.resolve(ctx, pid, fd, 1 << 63)
-                for r in rows.tolist():
-                    paths[r] = path
+                path_index[inverse == j] = dictionary.setdefault(path, len(dictionary))
             else:
-                for r in rows.tolist():
-                    paths[r] = fdopen.resolve(ctx, pid, fd, int(a["ts_enter"][r]))
+                for r in np.flatnonzero(inverse == j).tolist():
+                    path = fdopen.resolve(ctx, pid, fd, int(a["ts_enter"][r]))
+                    path_index[r] = dictionary.setdefault(path, len(dictionary))
     ret = a["ret"].astype(np.int64)
-    sys = a["sys"].astype(np.int64)
-    names = np.array(SYSCALLS + ["?"] * 6, dtype=object)[np.clip(sys, 0, 15)]
+    sys = np.clip(a["sys"].astype(np.int32), 0, len(SYSCALLS))
     is_vec = np.isin(sys, list(VECTOR))
     return pa.table(
         {
@@ -66,9 +66,9 @@ def decode(raw: list[bytes], ctx: DecodeContext) -> pa.Table:
             "start_ns": pa.array(a["ts_enter"], pa.uint64()),
             "pid": pa.array(a["tgid"], pa.uint32()),
             "tid": pa.array(a["tid"], pa.uint32()),
-            "syscall": pa.array(names.tolist(), pa.string()),
+            "syscall": pa.DictionaryArray.from_arrays(pa.array(sys, pa.int32()), pa.array(SYSCALLS + ["?"])),
             "fd": pa.array(a["fd"], pa.int32()),
-            "path": pa.array(paths, pa.string()),
+            "path": pa.DictionaryArray.from_arrays(pa.array(path_index, pa.int32()), pa.array(list(dictionary), pa.string())),
             "offset": pa.array(a["pos"], pa.int64()),
             "requested": pa.array(np.where(is_vec, 0, a["count"]).astype(np.uint64), pa.uint64()),
             "iovcnt": pa.array(np.where(is_vec, a["count"], 0).astype(np.uint32), pa.uint32()),

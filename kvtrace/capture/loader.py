@@ -6,11 +6,14 @@ and sorted by kind; decoding happens later, in batches, in kvtrace.pipeline.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import platform
+import threading
 
 from kvtrace.capture import events
 from kvtrace.capture.program import Plan
+from kvtrace.capture.ringbuf import RingReader
 from kvtrace.errors import CaptureError
 
 BPF = None
@@ -45,18 +48,12 @@ class Source:
         self.pending: dict[int, list[bytes]] = {k: [] for k in range(events.NKINDS)}
         self.count = 0
         self.max_pending = max_pending
-        self.dropped = 0  # user-space drops (pending queue full)
-        self._string_at = ctypes.string_at
+        self.dropped = 0  # records left in the ring because the pending batch was full
         self._targets = self.bpf["targets"]
-        self.bpf["events"].open_ring_buffer(self._on_event)
-
-    def _on_event(self, ctx, data, size):
-        if self.count >= self.max_pending:
-            self.dropped += 1
-            return
-        raw = self._string_at(data, size)
-        self.pending[raw[0] & 0xF].append(raw)
-        self.count += 1
+        self.ring = RingReader(self.bpf["events"].map_fd, plan.ringbuf_pages * mmap.PAGESIZE)
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def add_target(self, pid: int) -> None:
         self._targets[ctypes.c_uint32(pid)] = ctypes.c_uint8(1)
@@ -64,15 +61,37 @@ class Source:
     def targets(self) -> list[int]:
         return [k.value for k in self._targets.keys()]
 
+    def start(self) -> None:
+        """Read the ring buffer on a thread of its own, so decoding and writing a batch never
+        leave the ring unread long enough to fill it."""
+        self._thread = threading.Thread(target=self._run, name="kvtrace-ring", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self.poll(50)
+
     def poll(self, timeout_ms: int) -> None:
-        self.bpf.ring_buffer_poll(timeout_ms)
+        """Wait for data (at most timeout_ms), then copy out what the kernel has committed.
+
+        When the pending batch is full the records stay in the ring buffer; if the kernel
+        then cannot reserve, it counts the loss itself, so every loss is counted once.
+        """
+        self.ring.wait(timeout_ms)
+        with self._lock:
+            room = self.max_pending - self.count
+            if room > 0:
+                self.count += self.ring.read(self.pending, room)
 
     def drain(self) -> dict[int, list[bytes]]:
         """Everything read so far, by kind; the source starts a new batch."""
-        self.bpf.ring_buffer_consume()
-        out = {k: v for k, v in self.pending.items() if v}
-        self.pending = {k: [] for k in range(events.NKINDS)}
-        self.count = 0
+        with self._lock:
+            room = self.max_pending - self.count
+            if room > 0:
+                self.count += self.ring.read(self.pending, room)
+            out = {k: v for k, v in self.pending.items() if v}
+            self.pending = {k: [] for k in range(events.NKINDS)}
+            self.count = 0
         return out
 
     def lost(self) -> dict[int, int]:
@@ -86,7 +105,11 @@ class Source:
         return out
 
     def close(self) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(2)
         try:
+            self.ring.close()
             self.bpf.cleanup()
         except Exception:
             pass

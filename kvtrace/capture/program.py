@@ -16,6 +16,7 @@ from kvtrace.host import tracefs
 class Plan:
     text: str
     cflags: list[str]
+    ringbuf_pages: int
     attached: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
 
@@ -31,6 +32,8 @@ def plan(
     cflags = [f"-I{bpf.SOURCE_DIR}", f"-DKV_RINGBUF_PAGES={ringbuf_pages}", "-Wno-macro-redefined"]
     parts = [bpf.source("kvtrace.h")]
     attached, skipped = [], {}
+    if wanted is not None and "fileio" in wanted and "fdopen" not in wanted:
+        wanted = [*wanted, "fdopen"]  # file reads are resolved to paths through the opens
     for probe in list(PROBES) + list(extra or []):
         if wanted is not None and probe.NAME not in wanted and probe.NAME != "proc":
             skipped[probe.NAME] = "not selected"
@@ -46,4 +49,4 @@ def plan(
         parts.append(f"/* ---- {probe.SOURCE} ---- */\n" + bpf.source(probe.SOURCE))
         parts.append(events.static_asserts(probe.STRUCT, probe.DTYPE))
         attached.append(probe.NAME)
-    return Plan("\n".join(parts), cflags, attached, skipped)
+    return Plan("\n".join(parts), cflags, ringbuf_pages, attached, skipped)

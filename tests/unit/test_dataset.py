@@ -17,7 +17,8 @@ from kvtrace.errors import DatasetError, OutputError
 
 
 def rows(n, start=0):
-    t = {f.name: pa.array([0] * n, f.type) if not pa.types.is_string(f.type) else pa.array(["x"] * n) for f in schema.TABLES["file_io"]}
+    text = lambda f: pa.types.is_string(f.type) or pa.types.is_dictionary(f.type)
+    t = {f.name: pa.array(["x"] * n).cast(f.type) if text(f) else pa.array([0] * n, f.type) for f in schema.TABLES["file_io"]}
     t["ts_ns"] = pa.array(range(start, start + n), pa.uint64())
     t["bytes"] = pa.array([4096] * n, pa.uint64())
     return pa.table(t, schema=schema.TABLES["file_io"])

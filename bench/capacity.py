@@ -1,0 +1,94 @@
+"""Kernel event capacity and per-event cost on the traced process (needs root).
+
+A pread loop on tmpfs produces one file_io event per call.  For each target rate (and
+flat out) it runs the producer under `kvtrace attach` and reports events decoded per
+second, events lost (the kernel's count of failed ring-buffer reserves), and the
+producer's own call rate; the flat-out run is paired with an untraced run side by side,
+giving the per-event cost on the traced process as a difference of per-call times.
+
+    sudo .venv/bin/python bench/capacity.py [--short] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+PY = sys.executable
+
+
+def producer(path: str, seconds: float, rate: float = 0.0) -> list[str]:
+    return [PY, "-m", "kvtrace.workloads", "pread-loop", "--path", path, "--chunk", "64", "--seconds", str(seconds), "--rate", str(rate)]
+
+
+def untraced(path: str, seconds: float) -> dict:
+    out = subprocess.run(producer(path, seconds), check=True, capture_output=True, text=True).stdout
+    return json.loads(out)
+
+
+def traced(path: str, seconds: float, rate: float, ringbuf_pages: int = 1024) -> dict:
+    from kvtrace.dataset.reader import Dataset
+
+    with tempfile.TemporaryDirectory() as d:
+        res = os.path.join(d, "r.json")
+        t0 = time.monotonic()
+        p = subprocess.run(
+            [PY, "-m", "kvtrace", "attach", "--quiet", "--probe", "fileio", "--no-writes", "--ringbuf-pages", str(ringbuf_pages),
+             "--out", os.path.join(d, "ds"), "--", *producer(path, seconds, rate), "--result", res],
+            capture_output=True, text=True, check=True,
+        )
+        wall = time.monotonic() - t0
+        truth = json.load(open(res))
+        ds = Dataset.open(os.path.join(d, "ds"))
+        (run,) = ds.runs()
+        io = ds.table("file_io")
+        import pyarrow.compute as pc
+
+        mine = int(pc.sum(pc.and_(pc.equal(io["path"].cast("string"), path), pc.equal(io["syscall"].cast("string"), "pread64"))).as_py() or 0)
+        lost = run["lost_events"].get("file_io", 0)
+        return {
+            "target_rate": rate or "max",
+            "producer_calls": truth["calls"],
+            "producer_rate": round(truth["rate"]),
+            "decoded_events": mine,
+            "decoded_per_s": round(mine / truth["seconds"]),
+            "lost": lost,
+            "lost_by_table": run["lost_events"],
+            "dropped": run["dropped_events"],
+            "accounted": mine + lost + run["dropped_events"] == truth["calls"],
+            "agent_wall_s": round(wall, 2),
+        }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--short", action="store_true", help="CI mode: short runs, fewer rates")
+    ap.add_argument("--json", help="write results here")
+    a = ap.parse_args()
+    seconds = 1.0 if a.short else 4.0
+    rates = [20_000, 0] if a.short else [50_000, 100_000, 200_000, 400_000, 0]
+    path = "/dev/shm/kvtrace-bench"
+    with open(path, "wb") as f:
+        f.write(b"x" * 4096)
+    base = untraced(path, seconds)
+    rows = [traced(path, seconds, r) for r in rates]
+    flat = rows[-1]
+    result = {
+        "untraced_calls_per_s": round(base["rate"]),
+        "traced_calls_per_s": flat["producer_rate"],
+        "per_event_cost_us": round((1 / flat["producer_rate"] - 1 / base["rate"]) * 1e6, 3),
+        "rates": rows,
+    }
+    os.unlink(path)
+    print(json.dumps(result, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
