@@ -7,6 +7,7 @@ calls, bytes), so a capture can be checked against the workload itself:
     python -m kvtrace.workloads buffered --path /mnt/f      --chunk 65536
     python -m kvtrace.workloads uring    --path /dev/loop0 --chunk 131072 --count 64
     python -m kvtrace.workloads pread-loop --path /dev/shm/f --chunk 4096 --seconds 2
+    python -m kvtrace.workloads mixed    --path /dev/loop0 --chunk 131072 --count 32
 
 io_uring is driven through raw system calls (no liburing), so nothing is compiled.
 """
@@ -166,9 +167,16 @@ def pread_loop(path: str, chunk: int, seconds: float, rate: float = 0.0) -> dict
     return _result("pread-loop", path, calls, total, chunk, seconds=elapsed, rate=calls / elapsed)
 
 
+def mixed(path: str, chunk: int, count: int) -> dict:
+    """The demo's workload: O_DIRECT preadv, then io_uring reads, of the same device."""
+    a = read_direct(path, chunk, count)
+    b = read_uring(path, chunk, count)
+    return _result("mixed", path, a["calls"] + b["calls"], a["bytes"] + b["bytes"], chunk, direct=a, uring=b)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvtrace.workloads")
-    ap.add_argument("mode", choices=["direct", "buffered", "uring", "pread-loop"])
+    ap.add_argument("mode", choices=["direct", "buffered", "uring", "pread-loop", "mixed"])
     ap.add_argument("--path", required=True)
     ap.add_argument("--chunk", type=int, default=131072)
     ap.add_argument("--count", type=int, default=64)
@@ -183,6 +191,8 @@ def main(argv=None) -> int:
             r = read_buffered(a.path, a.chunk)
         elif a.mode == "uring":
             r = read_uring(a.path, a.chunk, a.count)
+        elif a.mode == "mixed":
+            r = mixed(a.path, a.chunk, a.count)
         else:
             r = pread_loop(a.path, a.chunk, a.seconds, a.rate)
     except OSError as e:

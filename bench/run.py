@@ -1,0 +1,71 @@
+"""Run every benchmark and write a results table (bench/results/results.{md,json}).
+
+    sudo .venv/bin/python bench/run.py           # full mode, by hand
+    sudo .venv/bin/python bench/run.py --short   # CI: short runs, so the suite cannot rot
+
+Benchmarks report ratios and rates measured side by side in one run; nothing here
+asserts a speed.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BENCHES = ["capacity"]
+
+
+def machine() -> str:
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+    return f"{os.cpu_count()} cores ({cpu}), kernel {platform.release()}"
+
+
+def markdown(results: dict) -> str:
+    cap = results["capacity"]
+    lines = [
+        f"# kvtrace benchmarks ({results['date']}, {results['machine']}, {'short' if results['short'] else 'full'} mode)",
+        "",
+        "## Kernel event capacity (pread of 64 B on tmpfs, one file_io event per call)",
+        "",
+        f"- untraced producer: {cap['untraced_calls_per_s']:,} calls/s; traced flat out: {cap['traced_calls_per_s']:,} calls/s;"
+        f" per-event cost on the traced process: {cap['per_event_cost_us']} µs",
+        "",
+        f"- agent alone (pre-filled ring, one core): {cap['agent_throughput']['total_per_s']:,} events/s read+decoded+written"
+        f" (read {cap['agent_throughput']['read_per_s']:,}/s, decode {cap['agent_throughput']['decode_per_s']:,}/s,"
+        f" Parquet {cap['agent_throughput']['write_per_s']:,}/s; {cap['agent_throughput']['events']:,} events, lost {cap['agent_throughput']['lost']})",
+        "",
+        "| target rate | producer calls/s | decoded events/s | lost (kernel count) | all accounted |",
+        "|---|---|---|---|---|",
+    ]
+    for r in cap["rates"]:
+        lines.append(f"| {r['target_rate']} | {r['producer_rate']:,} | {r['decoded_per_s']:,} | {r['lost']:,} | {r['accounted']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--short", action="store_true")
+    a = ap.parse_args()
+    out = HERE / "results"
+    out.mkdir(exist_ok=True)
+    results = {"date": dt.date.today().isoformat(), "machine": machine(), "short": a.short}
+    for name in BENCHES:
+        path = out / f"{name}{'-short' if a.short else ''}.json"
+        cmd = [sys.executable, str(HERE / f"{name}.py"), "--json", str(path)] + (["--short"] if a.short else [])
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        results[name] = json.loads(path.read_text())
+    suffix = "-short" if a.short else ""
+    (out / f"results{suffix}.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / f"results{suffix}.md").write_text(markdown(results))
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
