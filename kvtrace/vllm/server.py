@@ -31,7 +31,12 @@ TINY_LLAMA = {
 
 
 def vllm_python() -> str:
-    return os.environ.get("KVTRACE_VLLM_PYTHON", DEFAULT_PYTHON)
+    """$KVTRACE_VLLM_PYTHON, else $KVTRACE_VLLM_VENV/bin/python, else the default venv's."""
+    if os.environ.get("KVTRACE_VLLM_PYTHON"):
+        return os.environ["KVTRACE_VLLM_PYTHON"]
+    if os.environ.get("KVTRACE_VLLM_VENV"):
+        return os.path.join(os.environ["KVTRACE_VLLM_VENV"], "bin", "python")
+    return DEFAULT_PYTHON
 
 
 def write_tiny_model(directory: str | os.PathLike) -> Path:
