@@ -1,0 +1,45 @@
+"""The code that runs inside the target: a file exec'd by the injected one-liner.
+
+Kept tiny and self-contained: no imports beyond the standard library and the staged hook,
+and everything it does is reported to a result file, never raised into the target.
+"""
+from __future__ import annotations
+
+import json
+
+TEMPLATE = r'''
+def _kvtrace_loader(hook_dir, result_path, action):
+    import json, os, sys, time
+    res = {"pid": os.getpid(), "t_ns": time.monotonic_ns(), "action": action}
+    try:
+        mod = sys.modules.get("kvtrace.hook.vllm_hook")
+        res["reused"] = mod is not None
+        if mod is None:
+            sys.path.insert(0, hook_dir)
+            try:
+                import kvtrace.hook.vllm_hook as mod
+            finally:
+                try:
+                    sys.path.remove(hook_dir)
+                except ValueError:
+                    pass
+        res["hook_file"] = getattr(mod, "__file__", "")
+        if action == "install":
+            res["installed"] = bool(mod.install())
+        elif action == "uninstall":
+            mod.uninstall()
+            res["installed"] = False
+        res["status"] = mod.status()
+    except BaseException as e:
+        res["error"] = "%s: %s" % (type(e).__name__, e)
+    tmp = result_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(res, f, default=str)
+    os.replace(tmp, result_path)
+_kvtrace_loader(%(hook_dir)s, %(result)s, %(action)s)
+del _kvtrace_loader
+'''
+
+
+def render(hook_dir: str, result_path: str, action: str) -> str:
+    return TEMPLATE % {"hook_dir": json.dumps(hook_dir), "result": json.dumps(result_path), "action": json.dumps(action)}

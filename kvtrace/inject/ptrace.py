@@ -1,0 +1,193 @@
+"""Run Python code in a live CPython process with ptrace alone (x86-64).
+
+Why not gdb: gdb saves and restores the full extended register state around an inferior
+call, and on CPUs with AMX that write fails ("Couldn't write extended state status: Bad
+address") and can leave the target broken.  This injector touches only the general
+registers, and only at a point where nothing else is live: the main thread is caught at a
+system-call entry (inside a libc wrapper, where the ABI makes every caller-saved register,
+vector registers included, dead).  There it calls
+
+    gstate = PyGILState_Ensure(); PyRun_SimpleStringFlags(code, NULL); PyGILState_Release(gstate)
+
+each returning to address 0 (caught as SIGSEGV), then puts the registers back with the
+instruction pointer on the `syscall` instruction and the syscall number in rax, so the
+interrupted system call simply runs again, and detaches.  Other threads never stop.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import struct
+import time
+
+from kvtrace.errors import TargetError
+from kvtrace.inject import elfsym
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.ptrace.restype = ctypes.c_long
+libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+
+PTRACE_CONT, PTRACE_DETACH, PTRACE_GETREGS, PTRACE_SETREGS, PTRACE_SYSCALL = 7, 17, 12, 13, 24
+PTRACE_SEIZE, PTRACE_INTERRUPT = 0x4206, 0x4207
+PTRACE_O_TRACESYSGOOD = 1
+WALL = 0x40000000
+ENOSYS = 38
+FIELDS = ("r15 r14 r13 r12 rbp rbx r11 r10 r9 r8 rax rcx rdx rsi rdi orig_rax rip cs eflags rsp ss "
+          "fs_base gs_base ds es fs gs").split()
+
+
+class Regs(ctypes.Structure):
+    _fields_ = [(f, ctypes.c_ulonglong) for f in FIELDS]
+
+    def copy(self) -> "Regs":
+        r = Regs()
+        ctypes.pointer(r)[0] = self
+        return r
+
+
+def _ptrace(req: int, pid: int, addr=None, data=None) -> int:
+    r = libc.ptrace(req, pid, addr, data)
+    if r == -1:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return r
+
+
+class Tracee:
+    """The main thread of pid, seized; every method keeps it stopped unless it says so."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.pending: list[int] = []  # signals that arrived during our calls, re-sent at detach
+        try:
+            _ptrace(PTRACE_SEIZE, pid, None, ctypes.c_void_p(PTRACE_O_TRACESYSGOOD))
+        except OSError as e:
+            if e.errno == 3:
+                raise TargetError(f"process {pid} exited before injection") from None
+            raise TargetError(f"ptrace of {pid} was denied ({e.strerror}: another tracer, Yama ptrace_scope, or a user namespace): cannot inject") from None
+        self.attached = True
+        _ptrace(PTRACE_INTERRUPT, pid)
+        self._wait()
+
+    def _wait(self) -> int:
+        _, status = os.waitpid(self.pid, WALL)
+        if os.WIFEXITED(status) or os.WIFSIGNALED(status):
+            self.attached = False
+            raise TargetError(f"process {self.pid} exited during injection")
+        return status
+
+    def regs(self) -> Regs:
+        r = Regs()
+        _ptrace(PTRACE_GETREGS, self.pid, None, ctypes.byref(r))
+        return r
+
+    def set_regs(self, r: Regs) -> None:
+        _ptrace(PTRACE_SETREGS, self.pid, None, ctypes.byref(r))
+
+    def write(self, addr: int, data: bytes) -> None:
+        with open(f"/proc/{self.pid}/mem", "r+b", buffering=0) as mem:
+            mem.seek(addr)
+            mem.write(data)
+
+    def read(self, addr: int, n: int) -> bytes:
+        with open(f"/proc/{self.pid}/mem", "rb", buffering=0) as mem:
+            mem.seek(addr)
+            return mem.read(n)
+
+    def to_syscall_entry(self, timeout: float) -> Regs:
+        """Resume until the thread enters a system call; that is the safe point."""
+        deadline = time.monotonic() + timeout
+        sig = 0
+        while True:
+            _ptrace(PTRACE_SYSCALL, self.pid, None, ctypes.c_void_p(sig))
+            sig = 0
+            while True:
+                try:
+                    pid, status = os.waitpid(self.pid, WALL | os.WNOHANG)
+                except ChildProcessError:
+                    raise TargetError(f"process {self.pid} exited during injection") from None
+                if pid:
+                    break
+                if time.monotonic() > deadline:
+                    _ptrace(PTRACE_INTERRUPT, self.pid)
+                    self._wait()
+                    raise TargetError(f"process {self.pid} made no system call within {timeout:.0f}s (no safe point): injection abandoned, target untouched")
+                time.sleep(0.001)
+            if os.WIFEXITED(status) or os.WIFSIGNALED(status):
+                self.attached = False
+                raise TargetError(f"process {self.pid} exited during injection")
+            stopsig = os.WSTOPSIG(status)
+            if stopsig == signal.SIGTRAP | 0x80:
+                r = self.regs()
+                if r.rax == (1 << 64) - ENOSYS and self.read(r.rip - 2, 2) == b"\x0f\x05":
+                    return r  # syscall-enter-stop right after a `syscall` instruction
+                continue  # syscall-exit-stop: go on to the next entry
+            if status >> 16:  # PTRACE_EVENT_STOP and friends
+                continue
+            sig = stopsig  # a real signal: deliver it and keep looking
+
+    def call(self, func: int, args: tuple[int, ...], stack_top: int, timeout: float) -> int:
+        """Call func(*args) on a scratch stack below stack_top; returns rax."""
+        r = self.regs().copy()
+        sp = (stack_top & ~0xF) - 8  # at entry, (rsp + 8) % 16 == 0
+        self.write(sp, struct.pack("<Q", 0))  # return address 0: the return faults, we catch it
+        for reg, val in zip(("rdi", "rsi", "rdx", "rcx", "r8", "r9"), args):
+            setattr(r, reg, val)
+        r.rsp, r.rip, r.rax, r.orig_rax = sp, func, 0, (1 << 64) - 1  # orig_rax -1: no syscall restart
+        self.set_regs(r)
+        sig = 0
+        deadline = time.monotonic() + timeout
+        while True:
+            _ptrace(PTRACE_CONT, self.pid, None, ctypes.c_void_p(sig))
+            status = self._wait()
+            sig = os.WSTOPSIG(status)
+            if sig == signal.SIGSEGV and self.regs().rip == 0:
+                return self.regs().rax
+            if sig == signal.SIGSEGV:
+                raise TargetError(f"the injected call crashed in process {self.pid} at {self.regs().rip:#x}")
+            if status >> 16:
+                sig = 0
+            elif time.monotonic() > deadline:
+                raise TargetError(f"the injected call in {self.pid} did not return within {timeout:.0f}s")
+
+    def restore(self, saved: Regs) -> None:
+        """Back to the interrupted syscall instruction, which then runs again."""
+        r = saved.copy()
+        r.rip = saved.rip - 2
+        r.rax = saved.orig_rax
+        self.set_regs(r)
+
+    def detach(self) -> None:
+        if self.attached:
+            try:
+                _ptrace(PTRACE_DETACH, self.pid, None, None)
+            except OSError:
+                pass
+            self.attached = False
+
+
+SYMBOLS = {"PyGILState_Ensure", "PyGILState_Release", "PyRun_SimpleStringFlags"}
+
+
+def run_code(pid: int, code: str, timeout: float = 10.0) -> int:
+    """Run code in pid's main thread with the GIL held; returns PyRun's result (0 ok, -1 error)."""
+    addrs = elfsym.resolve(pid, SYMBOLS)
+    src = code.encode() + b"\0"
+    if len(src) > 3000:
+        raise ValueError("injected code must be short: exec a file instead")
+    t = Tracee(pid)
+    saved = None
+    try:
+        saved = t.to_syscall_entry(timeout)
+        text_at = (saved.rsp - 128 - 4096) & ~0xF  # below the red zone
+        stack_top = text_at - 256
+        t.write(text_at, src)
+        gstate = t.call(addrs["PyGILState_Ensure"], (), stack_top, timeout) & 0xFFFFFFFF
+        rc = t.call(addrs["PyRun_SimpleStringFlags"], (text_at, 0), stack_top, timeout) & 0xFFFFFFFF
+        t.call(addrs["PyGILState_Release"], (gstate,), stack_top, timeout)
+        return -1 if rc == 0xFFFFFFFF else rc
+    finally:
+        if saved is not None and t.attached:
+            t.restore(saved)
+        t.detach()
