@@ -36,10 +36,11 @@ def _kvtrace_loader(hook_dir, result_path, action):
     with open(tmp, "w") as f:
         json.dump(res, f, default=str)
     os.replace(tmp, result_path)
-_kvtrace_loader(%(hook_dir)s, %(result)s, %(action)s)
+_kvtrace_loader(@HOOK_DIR@, @RESULT@, @ACTION@)
 del _kvtrace_loader
 '''
 
 
 def render(hook_dir: str, result_path: str, action: str) -> str:
-    return TEMPLATE % {"hook_dir": json.dumps(hook_dir), "result": json.dumps(result_path), "action": json.dumps(action)}
+    return (TEMPLATE.replace("@HOOK_DIR@", json.dumps(hook_dir)).replace("@RESULT@", json.dumps(result_path))
+            .replace("@ACTION@", json.dumps(action)))
