@@ -17,8 +17,13 @@ def one_line_error(p, code):
 
 
 def test_attach_without_target_says_what_to_give(tmp_path):
-    line = one_line_error(run_kvtrace("attach", "--out", str(tmp_path)), 2)
-    assert "--pid" in line
+    """No --pid and no command: kvtrace looks for vLLM servers; unless exactly one is chosen
+    it lists what it found (if anything) and ends with one line saying what to give."""
+    p = run_kvtrace("attach", "--out", str(tmp_path / "o"))
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    last = [l for l in p.stderr.splitlines() if l.strip()][-1]
+    assert last.startswith("kvtrace: ") and "--pid" in last
+    assert not (tmp_path / "o").exists()
 
 
 def test_attach_bad_options():
