@@ -1,0 +1,65 @@
+"""Inject the hook into one vLLM server's EngineCore and Worker processes for the length of
+a capture, and take it out again at the end.
+
+Only processes discovery identified as the EngineCore or a Worker of a vLLM API server are
+ever touched.  A process where the hook refuses (other vLLM version, signatures differ) or
+injection fails is reported with the reason; the rest of the capture goes on without it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import psutil
+
+from kvtrace.errors import KvtraceError, TargetError
+from kvtrace.inject import injector
+
+
+@dataclass
+class Injected:
+    pid: int
+    role: str
+    installed: bool
+    reused: bool = False
+    reason: str = ""
+
+
+@dataclass
+class InjectionSession:
+    server: object  # kvtrace.vllm.discover.VllmServerInfo
+    timeout: float = 10.0
+    results: list[Injected] = field(default_factory=list)
+
+    def targets(self) -> list[tuple[int, str]]:
+        return [(p, "engine") for p in self.server.engine_pids] + [(p, "worker") for p in self.server.worker_pids]
+
+    def install(self) -> list[Injected]:
+        if not self.targets():
+            raise TargetError(f"vLLM server {self.server.pid} has no EngineCore or Worker process to inject into")
+        for pid, role in self.targets():
+            self.results.append(self._one(pid, role, "install"))
+        return self.results
+
+    def _one(self, pid: int, role: str, action: str) -> Injected:
+        try:
+            rep = injector.hook(pid, action, self.timeout)
+        except KvtraceError as e:
+            return Injected(pid, role, False, reason=str(e))
+        if rep.get("error"):
+            return Injected(pid, role, False, reason=f"the hook failed to load: {rep['error']}")
+        status = rep.get("status") or {}
+        installed = bool(rep.get("installed"))
+        reason = "" if installed else (status.get("reason") or "the hook stayed inert")
+        return Injected(pid, role, installed, bool(rep.get("reused")), reason)
+
+    def uninstall(self) -> list[Injected]:
+        """Remove the hook wherever it was installed and the process still runs."""
+        out = []
+        for r in self.results:
+            if r.installed and psutil.pid_exists(r.pid):
+                out.append(self._one(r.pid, r.role, "uninstall"))
+        return out
+
+    def missing(self) -> list[str]:
+        """One line per process where the vLLM signals are missing, and why."""
+        return [f"{r.role} {r.pid}: no vLLM hook ({r.reason})" for r in self.results if not r.installed]
