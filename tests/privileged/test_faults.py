@@ -100,12 +100,12 @@ def test_forced_ring_overflow_is_counted_exactly(tmp_path):
     data = tmp_path / "f"
     data.write_bytes(b"x" * 4096)
     out, result = tmp_path / "ds", tmp_path / "r.json"
-    # one page of ring buffer: about 56 events fit.  The producer lets its start-up reads
+    # 16 pages of ring buffer: about 900 events fit.  The producer lets its start-up reads
     # drain first (they share the lost counter), then preads flat out.
     flood = ("import json, os, sys, time\nfd = os.open(sys.argv[1], os.O_RDONLY)\ntime.sleep(1)\n"
              "for _ in range(200000): os.pread(fd, 64, 0)\n"
              "json.dump({'calls': 200000}, open(sys.argv[2], 'w'))")
-    p = run_kvtrace("attach", "--quiet", "--ringbuf-pages", "1", "--probe", "fileio", "--no-writes", "--out", str(out), "--",
+    p = run_kvtrace("attach", "--quiet", "--ringbuf-pages", "16", "--probe", "fileio", "--no-writes", "--out", str(out), "--",
                     sys.executable, "-c", flood, str(data), str(result))
     assert p.returncode == 0, p.stderr
     truth = json.loads(result.read_text())
