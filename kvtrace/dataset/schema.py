@@ -48,6 +48,68 @@ TABLES: dict[str, pa.Schema] = {
     "vllm_metrics": pa.schema([
         ("ts_ns", u64), ("name", s), ("labels", s), ("value", f64), ("type", s),
     ]),
+    # ---- NVMe(-oF), transport and NIC tables (probes nvme/tcp/rdma, kvtrace.fabric) ----
+    # One row per NVMe command attempt (sampled under load: weight = commands it stands for).
+    "nvme_cmd": pa.schema([
+        ("ts_ns", u64), ("setup_ns", u64), ("latency_ns", i64), ("pid", u32), ("tid", u32), ("comm", d),
+        ("issuer", d), ("setup_tid", u32), ("ctrl_id", u32), ("ctrl", d), ("transport", d), ("traddr", d),
+        ("qid", u32), ("cid", u32), ("disk", d), ("nsid", u32), ("opcode", u32), ("op", d), ("opclass", d),
+        ("slba", u64), ("nlb", u32), ("bytes", u64), ("status", u32), ("status_text", d), ("retries", u32),
+        ("flags", u32), ("sq_occupancy", i32), ("weight", u32),
+    ]),
+    "nvme_async": pa.schema([
+        ("ts_ns", u64), ("ctrl_id", u32), ("ctrl", d), ("transport", d), ("traddr", d), ("result", u32),
+        ("type", d), ("event", d),
+    ]),
+    # Exact per-queue accounting from the kernel's maps, one row per queue and op class per flush.
+    "nvme_queue": pa.schema([
+        ("ts_ns", u64), ("interval_ns", u64), ("ctrl_id", u32), ("ctrl", d), ("transport", d), ("traddr", d),
+        ("qid", u32), ("opclass", d), ("setups", u64), ("completions", u64), ("bytes", u64), ("errors", u64),
+        ("retried", u64), ("unmatched", u64), ("latency_sum_ns", u64), ("latency_avg_ns", f64),
+        ("sq_samples", u64), ("sq_occupancy_avg", f64), ("sq_occupancy_max", u32), ("cpus", d),
+    ]),
+    "nvme_queue_hist": pa.schema([
+        ("ts_ns", u64), ("interval_ns", u64), ("ctrl_id", u32), ("ctrl", d), ("qid", u32), ("opclass", d),
+        ("slot", u32), ("lo_ns", u64), ("hi_ns", u64), ("count", u64),
+    ]),
+    "nvme_ctrl": pa.schema([
+        ("ts_ns", u64), ("event", d), ("ctrl", d), ("ctrl_id", u32), ("transport", d), ("target", d),
+        ("traddr", d), ("trsvcid", d), ("host_traddr", d), ("src_addr", d), ("address", d), ("subsysnqn", d),
+        ("subsystem", d), ("iopolicy", d), ("state", d), ("cntlid", i64), ("model", d), ("serial", d),
+        ("firmware", d), ("queue_count", i64), ("sqsize", i64), ("numa_node", i64), ("hostnqn", d),
+    ]),
+    "nvme_ns": pa.schema([
+        ("ts_ns", u64), ("event", d), ("ctrl", d), ("ctrl_id", u32), ("disk", d), ("head", d), ("transport", d),
+        ("target", d), ("nsid", i64), ("multipath", b), ("ana_state", d), ("ana_grpid", i64), ("lba_bytes", u64),
+        ("size_bytes", u64), ("head_major", i64), ("head_minor", i64), ("mounts", pa.list_(s)),
+    ]),
+    "nvme_hctx": pa.schema([
+        ("ts_ns", u64), ("ctrl", d), ("ctrl_id", u32), ("disk", d), ("hctx", u32), ("qid", u32),
+        ("cpus", pa.list_(u32)), ("nr_tags", i64),
+    ]),
+    "tcp_events": pa.schema([
+        ("ts_ns", u64), ("event", d), ("conn", d), ("saddr", d), ("sport", u32), ("daddr", d), ("dport", u32),
+        ("family", d), ("state", d), ("newstate", d), ("srtt_us", u32), ("snd_cwnd", u32), ("ssthresh", u32),
+        ("snd_wnd", u32), ("rcv_wnd", u32), ("data_len", u32), ("probes", u32), ("skaddr", u64),
+        ("sock_cookie", u64), ("pid", u32), ("tid", u32),
+    ]),
+    "rdma_events": pa.schema([
+        ("ts_ns", u64), ("event", d), ("id", u32), ("cm_event", d), ("status", i32), ("tos", u32), ("qp_num", u32),
+        ("src", d), ("dst", d), ("nr_cqe", i64), ("comp_vector", i64), ("poll_ctx", d), ("send_wr", i64),
+        ("recv_wr", i64), ("qp_type", d), ("pid", u32), ("tid", u32), ("comm", d),
+    ]),
+    "rdma_cq": pa.schema([
+        ("ts_ns", u64), ("interval_ns", u64), ("cq_id", u32), ("polls", u64), ("completions", u64),
+        ("full_polls", u64), ("wakeups", u64), ("wakeup_latency_sum_us", u64), ("wakeup_latency_max_us", u64),
+        ("interrupts", u64), ("reschedules", u64),
+    ]),
+    # Polled NIC/RDMA counters (kvtrace.fabric.counters): rows for counters that moved or
+    # changed status, and every counter on full snapshots.
+    "nic_counters": pa.schema([
+        ("ts_ns", u64), ("interval_ns", u64), ("source", d), ("device", d), ("port", u32), ("netdev", d),
+        ("name", d), ("raw", u64), ("value", u64), ("delta", u64), ("unit", d), ("status", d), ("rate", f64),
+        ("full", b),
+    ]),
 }
 
 RUNS = pa.schema([
