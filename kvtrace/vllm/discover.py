@@ -1,0 +1,527 @@
+"""Find running vLLM servers: API server, port, EngineCore and Worker pids, versions, KV events.
+
+Only processes that are certainly a vLLM OpenAI server are reported: a Python interpreter
+running ``-m vllm.entrypoints...`` (``cli.main`` only with ``serve``), or the ``vllm``
+console script with ``serve``.  EngineCore and Worker are found below it by the titles vLLM
+sets (``VLLM::EngineCore*``, ``VLLM::Worker*``; the prefix follows ``VLLM_PROCESS_NAME_PREFIX``
+from the API server's environment), because their own argv and environ are overwritten.
+
+Files of the server's Python environment (pyvenv.cfg, site-packages, dist-info) are read
+through ``/proc/PID/root`` so a server in a container is described from its own filesystem.
+Everything is best effort: a field that cannot be read is None, never an exception.
+"""
+from __future__ import annotations
+
+import configparser
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psutil
+
+PLUGIN_GROUP = "vllm.general_plugins"
+PLUGIN_NAME = "kvtrace"
+DEFAULT_PORT = 8000
+DEFAULT_KV_ENDPOINT = "tcp://*:5557"
+_PY_RE = re.compile(r"^python(\d(\.\d+)?)?[a-z]?$")
+_SERVER_MODULES = ("vllm.entrypoints.openai.api_server", "vllm.entrypoints.api_server")
+
+
+@dataclass
+class KvEventsInfo:
+    """The KV-events publisher as configured on the API server's command line."""
+
+    enabled: bool
+    publisher: str | None
+    endpoint: str | None  # as vLLM was given it (bind if it has '*'/'::' or is ipc)
+    replay_endpoint: str | None
+    topic: str = ""
+    dp_size: int = 1
+    raw: dict = field(default_factory=dict)
+
+
+@dataclass
+class VllmServerInfo:
+    pid: int  # the API server (front end) that was started
+    api_pids: list[int]  # pid plus VLLM::APIServer_<i> children (api-server-count > 1)
+    engine_pids: list[int]
+    worker_pids: list[int]
+    other_pids: list[int]  # DP coordinator and other titled VLLM:: helpers
+    host: str | None
+    port: int | None
+    model: str | None
+    python_exe: str | None
+    python_version: str | None
+    vllm_version: str | None
+    site_packages: str | None
+    plugin: str  # "installed", "disabled" (VLLM_PLUGINS excludes it), "absent", "unknown"
+    kv_events: KvEventsInfo | None
+    in_container: bool
+    cmdline: list[str]
+
+    @property
+    def pids(self) -> list[int]:
+        """Every process to trace: API server(s), EngineCore(s), Workers."""
+        return [*self.api_pids, *self.engine_pids, *self.worker_pids]
+
+    @property
+    def metrics_url(self) -> str | None:
+        if self.port is None:
+            return None
+        host = self.host if self.host and self.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}/metrics"
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["metrics_url"] = self.metrics_url
+        if self.kv_events is not None:
+            d["kv_events"].pop("raw", None)
+        return d
+
+
+# ---------------------------------------------------------------------------------------------
+# Which processes are vLLM servers
+
+
+def _is_python(arg0: str) -> bool:
+    return bool(_PY_RE.match(os.path.basename(arg0)))
+
+
+def server_kind(cmdline: list[str]) -> str | None:
+    """'module' or 'cli' when this argv is a vLLM OpenAI server, else None."""
+    if not cmdline:
+        return None
+    if os.path.basename(cmdline[0]) == "vllm":
+        return "cli" if len(cmdline) > 1 and cmdline[1] == "serve" else None
+    if not _is_python(cmdline[0]):
+        return None
+    args = cmdline[1:]
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a in ("-c",) or a == "-":
+            return None
+        if a == "-m" or (a.startswith("-m") and not a.startswith("--")):
+            mod = args[i + 1] if a == "-m" and i + 1 < len(args) else a[2:]
+            rest = args[i + 2:] if a == "-m" else args[i + 1:]
+            if mod in _SERVER_MODULES:
+                return "module"
+            if mod == "vllm.entrypoints.cli.main":
+                return "module" if rest[:1] == ["serve"] else None
+            if mod.startswith("vllm.entrypoints.") and mod.endswith("api_server"):
+                return "module"
+            return None
+        if a in ("-X", "-W", "--check-hash-based-pycs"):
+            i += 2
+            continue
+        if a.startswith("-"):
+            i += 1
+            continue
+        # a script: the vllm console script run by an interpreter
+        return "cli" if os.path.basename(a) == "vllm" and args[i + 1:i + 2] == ["serve"] else None
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+
+
+def _arg(cmdline: list[str], *names: str) -> str | None:
+    """The last value given for an option (``--x v`` or ``--x=v``, dashes or underscores)."""
+    want = {n.replace("_", "-") for n in names}
+    value = None
+    for i, a in enumerate(cmdline):
+        if not a.startswith("-"):
+            continue
+        key, eq, v = a.partition("=")
+        if key.replace("_", "-") in want:
+            if eq:
+                value = v
+            elif i + 1 < len(cmdline):
+                value = cmdline[i + 1]
+    return value
+
+
+def _dotted(cmdline: list[str], prefix: str) -> dict:
+    """``--prefix.key value`` / ``--prefix.key=value`` arguments as a dict (vLLM's JSON-arg form)."""
+    out: dict = {}
+    pre = prefix.replace("_", "-") + "."
+    for i, a in enumerate(cmdline):
+        if not a.startswith("--"):
+            continue
+        key, eq, v = a.partition("=")
+        head, dot, tail = key.partition(".")
+        key = head.replace("_", "-") + dot + tail
+        if not key.startswith(pre):
+            continue
+        if not eq:
+            if i + 1 >= len(cmdline):
+                continue
+            v = cmdline[i + 1]
+        try:
+            val = json.loads(v)
+        except ValueError:
+            val = v
+        d = out
+        parts = key[len(pre):].split(".")
+        for p in parts[:-1]:
+            d = d.setdefault(p, {})
+            if not isinstance(d, dict):
+                break
+        else:
+            d[parts[-1]] = val
+    return out
+
+
+def kv_events_from_args(cmdline: list[str]) -> KvEventsInfo | None:
+    """The KV-events config from ``--kv-events-config`` (JSON or dotted keys); None when absent."""
+    cfg: dict = {}
+    raw = _arg(cmdline, "--kv-events-config")
+    if raw is not None:
+        try:
+            parsed = json.loads(raw)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            cfg.update(parsed)
+    cfg.update(_dotted(cmdline, "--kv-events-config"))
+    if raw is None and not cfg:
+        return None
+    enabled = bool(cfg.get("enable_kv_cache_events", False))
+    publisher = cfg.get("publisher") or ("zmq" if enabled else "null")
+    try:
+        dp = int(_arg(cmdline, "--data-parallel-size", "-dp") or 1)
+    except ValueError:
+        dp = 1
+    return KvEventsInfo(
+        enabled=enabled and publisher == "zmq",
+        publisher=str(publisher),
+        endpoint=str(cfg.get("endpoint") or DEFAULT_KV_ENDPOINT),
+        replay_endpoint=str(cfg["replay_endpoint"]) if cfg.get("replay_endpoint") else None,
+        topic=str(cfg.get("topic") or ""),
+        dp_size=max(dp, 1),
+        raw=cfg,
+    )
+
+
+def _model(cmdline: list[str], kind: str) -> str | None:
+    m = _arg(cmdline, "--model")
+    if m:
+        return m
+    if kind == "cli" or "serve" in cmdline:
+        try:
+            i = cmdline.index("serve")
+        except ValueError:
+            return None
+        if i + 1 < len(cmdline) and not cmdline[i + 1].startswith("-"):
+            return cmdline[i + 1]
+    return None
+
+
+def _port(proc: psutil.Process, cmdline: list[str], excluded: set[int]) -> tuple[str | None, int | None]:
+    host = _arg(cmdline, "--host")
+    arg = _arg(cmdline, "--port")
+    listening: list[tuple[str, int]] = []
+    try:
+        for c in proc.net_connections(kind="tcp"):
+            if c.status == psutil.CONN_LISTEN and c.laddr:
+                listening.append((c.laddr.ip, c.laddr.port))
+    except (psutil.Error, OSError):
+        pass
+    if arg is not None:
+        try:
+            return host, int(arg)
+        except ValueError:
+            pass
+    ports = [(h, p) for h, p in listening if p not in excluded]
+    for h, p in ports:
+        if p == DEFAULT_PORT:
+            return host or h, p
+    if ports:
+        return host or ports[0][0], ports[0][1]
+    return host, DEFAULT_PORT if not listening else None
+
+
+# ---------------------------------------------------------------------------------------------
+# The server's Python environment, read through /proc/PID/root
+
+
+class _Fs:
+    """Paths of one process's mount namespace."""
+
+    def __init__(self, pid: int):
+        self.root = f"/proc/{pid}/root"
+        try:
+            self.usable = os.path.isdir(self.root + "/")
+            self.container = self.usable and os.stat(self.root + "/") != os.stat("/")
+        except OSError:
+            self.usable, self.container = False, False
+
+    def p(self, path: str) -> Path:
+        if not path.startswith("/"):
+            path = "/" + path
+        return Path((self.root if self.usable else "") + path)
+
+    def exists(self, path: str) -> bool:
+        try:
+            return self.p(path).exists()
+        except OSError:
+            return False
+
+    def read(self, path: str, limit: int = 1 << 20) -> str | None:
+        try:
+            with open(self.p(path), "rb") as f:
+                return f.read(limit).decode("utf-8", "replace")
+        except OSError:
+            return None
+
+    def listdir(self, path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(self.p(path)))
+        except OSError:
+            return []
+
+
+def _mapped_paths(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            out = []
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) == 6 and parts[5].startswith("/"):
+                    out.append(parts[5].strip().removesuffix(" (deleted)"))
+            return list(dict.fromkeys(out))
+    except OSError:
+        return []
+
+
+def _resolve_arg0(fs: _Fs, arg0: str, cwd: str | None, env: dict) -> str | None:
+    if "/" in arg0:
+        return arg0 if arg0.startswith("/") else os.path.normpath(os.path.join(cwd or "/", arg0))
+    for d in (env.get("PATH") or "/usr/local/bin:/usr/bin:/bin").split(":"):
+        if d and fs.exists(f"{d}/{arg0}"):
+            return f"{d}/{arg0}"
+    return None
+
+
+def _site_candidates(fs: _Fs, pid: int, arg0: str | None, exe: str | None, xy: str | None, env: dict) -> tuple[list[str], str | None]:
+    """(site-packages directories to look in, venv root or None)."""
+    cands: list[str] = []
+    maps = _mapped_paths(pid)
+    for m in maps:
+        hit = re.search(r"^(.*/(?:site|dist)-packages)/vllm/", m)
+        if hit:
+            cands.append(hit.group(1))
+    for m in maps:
+        hit = re.search(r"^(.*/(?:site|dist)-packages)/", m)
+        if hit:
+            cands.append(hit.group(1))
+    venv = None
+    if arg0:
+        bindir = os.path.dirname(arg0)
+        root = os.path.dirname(bindir)
+        if fs.exists(f"{root}/pyvenv.cfg"):
+            venv = root
+    for pp in (env.get("PYTHONPATH") or "").split(":"):
+        if pp.startswith("/"):
+            cands.append(pp)
+    vers = [xy] if xy else []
+    for base in [venv, env.get("VIRTUAL_ENV"), os.path.dirname(os.path.dirname(exe)) if exe else None]:
+        if not base:
+            continue
+        for v in vers or [d.removeprefix("python") for d in fs.listdir(f"{base}/lib") if d.startswith("python3")]:
+            cands += [f"{base}/lib/python{v}/site-packages", f"{base}/local/lib/python{v}/dist-packages"]
+    cands += ["/usr/lib/python3/dist-packages"] + [f"/usr/local/lib/python{v}/dist-packages" for v in vers]
+    return list(dict.fromkeys(cands)), venv
+
+
+def _python_version(fs: _Fs, pid: int, exe: str | None, venv: str | None, site: str | None) -> str | None:
+    """X.Y.Z of the server's interpreter: pyvenv.cfg, patchlevel.h, or the version string in the binary."""
+    xy = None
+    for s in [exe or "", site or ""] + [m for m in _mapped_paths(pid) if "libpython" in m]:
+        hit = re.search(r"python(3\.\d+)", s)
+        if hit:
+            xy = hit.group(1)
+            break
+    if venv:
+        cfg = fs.read(f"{venv}/pyvenv.cfg") or ""
+        hit = re.search(r"^\s*version(?:_info)?\s*=\s*(\d+\.\d+\.\d+\S*)", cfg, re.M)
+        if hit:
+            return hit.group(1)
+    if exe:
+        prefix = os.path.dirname(os.path.dirname(exe))
+        for inc in ([f"{prefix}/include/python{xy}/patchlevel.h"] if xy else []):
+            text = fs.read(inc) or ""
+            hit = re.search(r'#define\s+PY_VERSION\s+"([^"]+)"', text)
+            if hit:
+                return hit.group(1)
+    if xy:
+        pat = re.compile(rb"(?<![\d.])(" + re.escape(xy.encode()) + rb"\.\d{1,3}(?:(?:a|b|rc)\d+)?\+?)\x00")
+        for binary in [exe] + [m for m in _mapped_paths(pid) if "libpython" in m]:
+            if not binary:
+                continue
+            try:
+                with open(fs.p(binary), "rb") as f:
+                    data = f.read(64 << 20)
+            except OSError:
+                continue
+            found = [m.group(1).decode() for m in pat.finditer(data)]
+            if found:
+                return max(set(found), key=found.count)
+    return xy
+
+
+def _dist_infos(fs: _Fs, site: str) -> list[str]:
+    return [d for d in fs.listdir(site) if d.endswith((".dist-info", ".egg-info"))]
+
+
+def _vllm_version(fs: _Fs, site: str) -> str | None:
+    for d in _dist_infos(fs, site):
+        if not re.match(r"^vllm([_-][a-z0-9]+)?-\d", d):
+            continue
+        top = fs.read(f"{site}/{d}/top_level.txt")
+        record = None if top else fs.read(f"{site}/{d}/RECORD", limit=1 << 16)
+        if (top and "vllm" in top.split()) or (record and "vllm/__init__.py" in record) or (not top and not record):
+            meta = fs.read(f"{site}/{d}/METADATA", limit=1 << 16) or fs.read(f"{site}/{d}/PKG-INFO", limit=1 << 16) or ""
+            hit = re.search(r"^Version:\s*(\S+)", meta, re.M)
+            if hit:
+                return hit.group(1)
+            hit = re.match(r"^[^-]+-([^-]+?)(?:\.dist-info|\.egg-info|-py)", d)
+            if hit:
+                return hit.group(1)
+    for name in ("_version.py", "version.py"):
+        text = fs.read(f"{site}/vllm/{name}") or ""
+        hit = re.search(r"""(?:__version__|version)\s*(?::\s*str\s*)?=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", text)
+        if hit:
+            return hit.group(1)
+    return None
+
+
+def plugin_installed(fs: _Fs, sites: list[str]) -> bool:
+    """True when some dist in these directories declares entry point ``kvtrace`` in vllm.general_plugins."""
+    for site in sites:
+        for d in _dist_infos(fs, site):
+            text = fs.read(f"{site}/{d}/entry_points.txt", limit=1 << 16)
+            if not text or PLUGIN_GROUP not in text:
+                continue
+            cp = configparser.ConfigParser(delimiters=("=",), interpolation=None, strict=False)
+            cp.optionxform = str
+            try:
+                cp.read_string(text)
+            except configparser.Error:
+                continue
+            if cp.has_section(PLUGIN_GROUP) and any(k.strip() == PLUGIN_NAME for k in cp[PLUGIN_GROUP]):
+                return True
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _environ(proc: psutil.Process) -> dict:
+    try:
+        return proc.environ()
+    except (psutil.Error, OSError):
+        return {}
+
+
+def describe(proc: psutil.Process) -> VllmServerInfo | None:
+    """Describe one process if it is a vLLM server, else None."""
+    try:
+        cmdline = proc.cmdline()
+        kind = server_kind(cmdline)
+        if kind is None:
+            return None
+        children = proc.children(recursive=True)
+    except (psutil.Error, OSError):
+        return None
+    env = _environ(proc)
+    prefix = env.get("VLLM_PROCESS_NAME_PREFIX", "VLLM") + "::"
+    api, engines, workers, others = [proc.pid], [], [], []
+    for c in children:
+        try:
+            name = c.name()
+        except psutil.Error:
+            continue
+        if not name.startswith(prefix):
+            continue
+        title = name[len(prefix):]
+        if title.startswith("EngineCor"):
+            engines.append(c.pid)
+        elif title.startswith("Worker"):
+            workers.append(c.pid)
+        elif title.startswith("APIServer"):
+            api.append(c.pid)
+        else:
+            others.append(c.pid)
+    kv = kv_events_from_args(cmdline)
+    excluded: set[int] = set()
+    if kv:
+        for ep in (kv.endpoint, kv.replay_endpoint):
+            hit = re.search(r":(\d+)$", ep or "")
+            if hit:
+                excluded.add(int(hit.group(1)))
+    host, port = _port(proc, cmdline, excluded)
+
+    fs = _Fs(proc.pid)
+    try:
+        exe = os.readlink(f"/proc/{proc.pid}/exe").removesuffix(" (deleted)")
+    except OSError:
+        exe = None
+    try:
+        cwd = proc.cwd()
+    except (psutil.Error, OSError):
+        cwd = None
+    arg0 = _resolve_arg0(fs, cmdline[0], cwd, env)
+    xy = None
+    for s in (exe or "", arg0 or ""):
+        hit = re.search(r"python(3\.\d+)", os.path.basename(s))
+        if hit:
+            xy = hit.group(1)
+    if xy is None:
+        for m in _mapped_paths(proc.pid):
+            hit = re.search(r"libpython(3\.\d+)", m) or re.search(r"/lib/python(3\.\d+)/", m)
+            if hit:
+                xy = hit.group(1)
+                break
+    sites, venv = _site_candidates(fs, proc.pid, arg0, exe, xy, env)
+    site = next((s for s in sites if fs.exists(f"{s}/vllm/__init__.py")), None)
+    if xy is None and site:
+        hit = re.search(r"python(3\.\d+)", site)
+        xy = hit.group(1) if hit else None
+    pyver = _python_version(fs, proc.pid, exe, venv, site)
+    vver = _vllm_version(fs, site) if site else None
+    if site is None and not fs.usable:
+        plugin = "unknown"
+    else:
+        env_sites = [s for s in sites if fs.exists(s)]
+        plugin = "installed" if plugin_installed(fs, env_sites) else "absent"
+        allowed = env.get("VLLM_PLUGINS")
+        if plugin == "installed" and allowed is not None and PLUGIN_NAME not in [a.strip() for a in allowed.split(",")]:
+            plugin = "disabled"
+    return VllmServerInfo(
+        pid=proc.pid, api_pids=api, engine_pids=engines, worker_pids=workers, other_pids=others,
+        host=host, port=port, model=_model(cmdline, kind), python_exe=exe, python_version=pyver,
+        vllm_version=vver, site_packages=site, plugin=plugin, kv_events=kv, in_container=fs.container,
+        cmdline=cmdline,
+    )
+
+
+def discover() -> list[VllmServerInfo]:
+    """Every vLLM server on this host (in any container whose /proc is visible), by API-server pid."""
+    found = []
+    me = os.getpid()
+    for proc in psutil.process_iter():
+        if proc.pid == me:
+            continue
+        info = describe(proc)
+        if info is not None:
+            found.append(info)
+    # A spawned API-server child (VLLM::APIServer_<i>) keeps no vllm argv, so no duplicates
+    # arise there; but a `vllm serve` started by another vllm process would: keep the outermost.
+    inner = {p for s in found for p in s.api_pids[1:] + s.engine_pids + s.worker_pids + s.other_pids}
+    return sorted((s for s in found if s.pid not in inner), key=lambda s: s.pid)

