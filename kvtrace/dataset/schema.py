@@ -110,6 +110,45 @@ TABLES: dict[str, pa.Schema] = {
         ("name", d), ("raw", u64), ("value", u64), ("delta", u64), ("unit", d), ("status", d), ("rate", f64),
         ("full", b),
     ]),
+    # Derived by the correlator (kvtrace.correlate; docs/correlate.md) at a clean stop or by
+    # `kvtrace correlate DIR`: one row per request, prefill chunk, engine step, attributed event.
+    "requests": pa.schema([
+        ("engine_pid", u32), ("request", s), ("external_id", s), ("arrival_ns", u64), ("first_scheduled_ns", u64),
+        ("prefill_end_ns", u64), ("finish_ns", u64), ("start_ns", u64), ("end_ns", u64), ("queue_ns", i64),
+        ("prompt_len", u32), ("admissions", u32), ("preemptions", u32), ("chunks", u32), ("prefill_tokens", u64),
+        ("cached_tokens", u32), ("cached_local", u32), ("cached_external", u32), ("hit_blocks", u32),
+        ("readmit_cached_tokens", u32), ("evicted_blocks", u32), ("load_count", u32), ("load_bytes", u64),
+        ("load_ns", i64), ("store_count", u32), ("store_bytes", u64), ("storage_wait_ns", i64), ("compute_ns", i64),
+        ("finished", b), ("joined_trace", b), ("trace_id", s), ("span_id", s), ("parent_span_id", s),
+    ]),
+    "chunks": pa.schema([
+        ("engine_pid", u32), ("step", u64), ("request", s), ("attempt", u32), ("chunk_index", i32),
+        ("token_start", u32), ("token_end", u32), ("tokens", u32), ("prompt_len", u32), ("prefill_len", u32),
+        ("last", b), ("resumed", b), ("cached_tokens", u32), ("cached_local", u32), ("cached_external", u32),
+        ("hit_blocks", u32), ("evicted_blocks", u32), ("preempted_others", u32), ("load_count", u32),
+        ("load_blocks", u32), ("load_bytes", u64), ("load_ns", i64), ("store_count", u32), ("store_bytes", u64),
+        ("file_read_bytes", u64), ("block_read_bytes", u64), ("storage_wait_ns", i64), ("compute_ns", i64),
+        ("sched_ns", i64), ("step_tokens", u32), ("shared_file_bytes", u64), ("shared_block_bytes", u64),
+        ("t_start_ns", u64), ("t_end_ns", u64), ("bottleneck", d), ("trace_id", s), ("span_id", s),
+        ("parent_span_id", s),
+    ]),
+    "steps": pa.schema([
+        ("engine_pid", u32), ("step", u64), ("t_start_ns", u64), ("t_sched_end_ns", u64), ("t_end_ns", u64),
+        ("sched_ns", i64), ("exec_ns", i64), ("num_reqs", u32), ("total_tokens", u32), ("prefill_reqs", u32),
+        ("prefill_tokens", u32), ("decode_reqs", u32), ("decode_tokens", u32), ("new_reqs", u32),
+        ("resumed_reqs", u32), ("running", u32), ("waiting", u32), ("free_blocks", u32), ("chunks", u32),
+        ("evicted_blocks", u32), ("preemptions", u32), ("load_count", u32), ("load_bytes", u64),
+        ("store_count", u32), ("store_bytes", u64), ("storage_wait_ns", i64), ("compute_ns", i64),
+        ("file_read_bytes", u64), ("file_write_bytes", u64), ("block_read_bytes", u64), ("block_write_bytes", u64),
+        ("io_uring_bytes", u64), ("shared_file_bytes", u64), ("shared_block_bytes", u64),
+        ("overlapping_steps", u32), ("nvme_commands", f64), ("nvme_bytes", f64), ("nic_deltas", s),
+        ("bottleneck", d),
+    ]),
+    "attributions": pa.schema([
+        ("source", d), ("ts_ns", u64), ("start_ns", u64), ("pid", u32), ("tid", u32), ("bytes", u64),
+        ("engine_pid", u32), ("step", u64), ("request", s), ("attempt", u32), ("chunk_index", i32),
+        ("transfer_start_ns", u64), ("how", d), ("candidates", u32), ("share", f64),
+    ]),
 }
 
 RUNS = pa.schema([
@@ -117,7 +156,7 @@ RUNS = pa.schema([
     ("start_ns", u64), ("stop_ns", u64), ("clock_offset_ns", i64), ("start_wall", s),
     ("pids", pa.list_(u32)), ("command", s), ("probes_attached", pa.list_(s)),
     ("probes_skipped", s), ("events", s), ("lost_events", s), ("dropped_events", u64),
-    ("sidecars", s),
+    ("sidecars", s), ("sinks", s),
 ])
 
 

@@ -1,0 +1,154 @@
+"""Per-request accumulation of correlation results, and the ``requests`` rows made from them.
+
+Live, results arrive pass by pass and a request is closed when vLLM reports it finished (or it
+has been idle for ``idle_ns``, or capture stops); offline, one pass holds everything.  Either way
+a request's row depends only on what was accumulated for it, so both give the same rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+from kvtrace.correlate import ids
+from kvtrace.correlate.core import Result
+
+
+@dataclass
+class Acc:
+    request: str
+    engine_pid: int = 0
+    arrive: dict | None = None
+    finish: dict | None = None
+    admits: list = field(default_factory=list)
+    chunks: list = field(default_factory=list)
+    preempts: list = field(default_factory=list)     # this request was preempted
+    evicts: int = 0                                  # blocks evicted by this request's allocations
+    transfers: list = field(default_factory=list)    # named KV transfers (spans and totals)
+    last_ns: int = 0                                 # last activity (monotonic)
+
+
+class Requests:
+    def __init__(self, run: str, max_open: int = 200_000):
+        self.run = run
+        self.open: dict[str, Acc] = {}
+        self.max_open = max_open
+        self.forced = 0  # closed early because too many were open
+
+    def _acc(self, r: str, engine: int = 0) -> Acc:
+        a = self.open.get(r)
+        if a is None:
+            a = self.open[r] = Acc(r, engine)
+        elif engine and not a.engine_pid:
+            a.engine_pid = engine
+        return a
+
+    def add(self, res: Result) -> None:
+        for ar in res.arrives:
+            a = self._acc(ar["request"], ar["engine_pid"])
+            if a.arrive is None or (ar["traceparent"] and not a.arrive["traceparent"]):
+                a.arrive = ar
+        for ad in res.admits:
+            a = self._acc(ad["request"], ad["pid"])
+            if not any(x["attempt"] == ad["attempt"] for x in a.admits):
+                a.admits.append(ad)
+        for row in res.chunks.to_pylist():
+            a = self._acc(row["request"], row["engine_pid"])
+            a.chunks.append(row)
+            a.last_ns = max(a.last_ns, row["t_end_ns"])
+        for p in res.preempts:
+            a = self._acc(p["request"], p["engine_pid"])
+            a.preempts.append(p)
+            a.last_ns = max(a.last_ns, p["t_ns"])
+        for e in res.evicts:
+            if e["request"]:
+                self._acc(e["request"], e["engine_pid"]).evicts += 1
+        for t in res.transfers:
+            if t["request"]:
+                a = self._acc(t["request"], t["engine_pid"])
+                a.transfers.append(t)
+                a.last_ns = max(a.last_ns, t["t_end_ns"])
+        for f in res.finishes:
+            a = self._acc(f["request"], f["engine_pid"])
+            if a.finish is None:
+                a.finish = f
+                a.last_ns = max(a.last_ns, f["t_ns"])
+
+    def close(self, watermark: int | None = None, idle_ns: int = 300_000_000_000) -> list[Acc]:
+        """Requests to close now: finished before the watermark, idle for idle_ns, or all (None)."""
+        out = []
+        for r, a in list(self.open.items()):
+            if watermark is None or (a.finish is not None and a.finish["t_ns"] <= watermark) or \
+                    (a.last_ns and a.last_ns + idle_ns <= watermark):
+                out.append(self.open.pop(r))
+        if len(self.open) > self.max_open:
+            for r in sorted(self.open, key=lambda r: self.open[r].last_ns)[: len(self.open) - self.max_open]:
+                out.append(self.open.pop(r))
+                self.forced += 1
+        return out
+
+
+def trace_info(run: str, request: str, acc: Acc | None) -> tuple[bytes, bytes, bool, str]:
+    """(trace id, parent span id of the request span, joined a caller's trace?, tracestate)."""
+    tp = acc.arrive["traceparent"] if acc is not None and acc.arrive else ""
+    trace, parent, joined = ids.trace_of(run, request, tp)
+    return trace, parent, joined, (acc.arrive["tracestate"] if joined else "")
+
+
+REQUEST_SCHEMA = pa.schema([
+    ("engine_pid", pa.uint32()), ("request", pa.string()), ("external_id", pa.string()),
+    ("arrival_ns", pa.uint64()), ("first_scheduled_ns", pa.uint64()), ("prefill_end_ns", pa.uint64()),
+    ("finish_ns", pa.uint64()), ("start_ns", pa.uint64()), ("end_ns", pa.uint64()), ("queue_ns", pa.int64()),
+    ("prompt_len", pa.uint32()), ("admissions", pa.uint32()), ("preemptions", pa.uint32()), ("chunks", pa.uint32()),
+    ("prefill_tokens", pa.uint64()), ("cached_tokens", pa.uint32()), ("cached_local", pa.uint32()),
+    ("cached_external", pa.uint32()), ("hit_blocks", pa.uint32()), ("readmit_cached_tokens", pa.uint32()),
+    ("evicted_blocks", pa.uint32()), ("load_count", pa.uint32()), ("load_bytes", pa.uint64()),
+    ("load_ns", pa.int64()), ("store_count", pa.uint32()), ("store_bytes", pa.uint64()),
+    ("storage_wait_ns", pa.int64()), ("compute_ns", pa.int64()), ("finished", pa.bool_()),
+    ("joined_trace", pa.bool_()), ("trace_id", pa.string()), ("span_id", pa.string()),
+    ("parent_span_id", pa.string()),
+])
+
+
+def request_row(run: str, a: Acc) -> dict:
+    tp = a.arrive["traceparent"] if a.arrive else ""
+    trace, parent, joined = ids.trace_of(run, a.request, tp)
+    chunks = sorted(a.chunks, key=lambda c: (c["t_start_ns"], c["step"]))
+    admits = sorted(a.admits, key=lambda x: x["attempt"])
+    first = next((x for x in admits if x["attempt"] == 0), None)
+    arrival = a.arrive["t_ns"] if a.arrive else 0
+    first_sched = chunks[0]["t_start_ns"] if chunks else 0
+    lasts = [c["t_end_ns"] for c in chunks if c["last"]]
+    finish = a.finish["t_ns"] if a.finish else 0
+    times = [c["t_end_ns"] for c in chunks] + [p["t_ns"] for p in a.preempts] + \
+            [t["t_end_ns"] for t in a.transfers] + [finish, arrival]
+    start_candidates = [x for x in (arrival, first_sched) if x] + [t["t_start_ns"] for t in a.transfers]
+    start = min(start_candidates) if start_candidates else 0
+    end = max(times) if times else 0
+    loads = [t for t in a.transfers if t["dir"] == "load"]
+    stores = [t for t in a.transfers if t["dir"] == "store"]
+    prompt = (first or (admits[0] if admits else None) or {}).get("prompt_len") or (chunks[0]["prompt_len"] if chunks else 0)
+    return {
+        "engine_pid": a.engine_pid, "request": a.request, "external_id": ids.external_id(a.request),
+        "arrival_ns": arrival, "first_scheduled_ns": first_sched, "prefill_end_ns": max(lasts) if lasts else 0,
+        "finish_ns": finish, "start_ns": start, "end_ns": max(end, start),
+        "queue_ns": (first_sched - arrival) if arrival and first_sched else 0,
+        "prompt_len": prompt, "admissions": len(admits), "preemptions": len(a.preempts), "chunks": len(chunks),
+        "prefill_tokens": sum(c["tokens"] for c in chunks),
+        "cached_tokens": (first["cached_local"] + first["cached_external"]) if first else 0,
+        "cached_local": first["cached_local"] if first else 0,
+        "cached_external": first["cached_external"] if first else 0,
+        "hit_blocks": first["hit_blocks"] if first else 0,
+        "readmit_cached_tokens": sum(x["cached_local"] + x["cached_external"] for x in admits if x["attempt"] > 0),
+        "evicted_blocks": a.evicts, "load_count": len(loads), "load_bytes": sum(t["nbytes"] for t in loads),
+        "load_ns": sum(t["t_end_ns"] - t["t_start_ns"] for t in loads), "store_count": len(stores),
+        "store_bytes": sum(t["nbytes"] for t in stores),
+        "storage_wait_ns": sum(c["storage_wait_ns"] for c in chunks), "compute_ns": sum(c["compute_ns"] for c in chunks),
+        "finished": a.finish is not None, "joined_trace": joined, "trace_id": trace.hex(),
+        "span_id": ids.request_span(trace, a.request).hex(), "parent_span_id": parent.hex(),
+    }
+
+
+def requests_table(run: str, accs: list[Acc]) -> pa.Table:
+    rows = sorted((request_row(run, a) for a in accs), key=lambda r: (r["start_ns"], r["request"]))
+    return pa.Table.from_pylist(rows, schema=REQUEST_SCHEMA)
