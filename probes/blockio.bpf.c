@@ -9,6 +9,8 @@
 
 #include "kvtrace.h"
 
+#define KV_BLOCKIO_DEFINED 1   /* nvme.bpf.c looks submitters up in block_start */
+
 struct kv_block_key {
     u64 sector;
     u32 dev;

@@ -19,6 +19,9 @@
 #define KV_KIND_URING    4
 #define KV_KIND_PROC     5
 #define KV_KIND_USER     6
+#define KV_KIND_NVME     7
+#define KV_KIND_TCP      8
+#define KV_KIND_RDMA     9
 #define KV_NKINDS        16
 
 #ifndef KV_RINGBUF_PAGES

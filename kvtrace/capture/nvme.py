@@ -1,0 +1,370 @@
+"""Decoder for probes/nvme.bpf.c: NVMe commands per controller and queue (table ``nvme_cmd``)
+and asynchronous events (table ``nvme_async``).
+
+The exact per-queue totals and latency histograms live in BPF maps and are read once per
+flush by kvtrace.fabric.kstats (tables ``nvme_queue`` and ``nvme_queue_hist``).
+
+``Reference`` is the pairing rule set of nvme.bpf.c written again in Python over decoded
+tracepoint records (kvtrace.fabric.tpformat): the tests drive it with records laid out for
+several kernels, and a lab run can drive it with records the kernel wrote to ftrace to
+cross-check the BPF program.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from kvtrace.capture.events import KIND_NVME, DecodeContext, cstr, decode_array, struct_dtype
+
+NAME = "nvme"
+KIND = KIND_NVME
+SOURCE = "nvme.bpf.c"
+STRUCT = "kv_nvme_event"
+TABLE = "nvme_cmd"
+ASYNC_TABLE = "nvme_async"
+DTYPE = struct_dtype(
+    [
+        ("ts_setup", "<u8"),
+        ("slba", "<u8"),
+        ("result", "<u8"),
+        ("ctrl_id", "<u4"),
+        ("nsid", "<u4"),
+        ("nlb", "<u4"),
+        ("bytes", "<u4"),
+        ("weight", "<u4"),
+        ("qid", "<u2"),
+        ("cid", "<u2"),
+        ("status", "<u2"),
+        ("sq_occ", "<u2"),
+        ("opcode", "u1"),
+        ("fctype", "u1"),
+        ("flags", "u1"),
+        ("retries", "u1"),
+        ("rec", "u1"),
+        ("issuer", "u1"),
+        ("opclass", "u1"),
+        ("pad", "u1"),
+        ("setup_tid", "<u4"),
+        ("disk", "S32"),
+        ("comm", "S16"),
+    ]
+)
+
+# KV_NVME_OP_* (probes/nvme.bpf.c)
+OPCLASSES = ["read", "write", "flush", "other", "admin", "fabrics", "unknown", "queue"]
+OP_UNKNOWN, OP_QUEUE = 6, 7
+REC_CMD, REC_AEN = 0, 1
+ISSUERS = ["", "block", "setup"]
+MODES = {"sampled": 0, "all": 1, "none": 2}
+NO_OCC = 0xFFFF
+WINDOW_NS = 100_000_000
+MAX_SHIFT = 24
+
+# NVM command set opcodes (I/O queues) and admin opcodes (qid 0); fabrics commands are 0x7f.
+IO_OPCODES = {
+    0x00: "flush", 0x01: "write", 0x02: "read", 0x04: "write_uncor", 0x05: "compare",
+    0x08: "write_zeroes", 0x09: "dsm", 0x0C: "verify", 0x0D: "resv_register", 0x0E: "resv_report",
+    0x11: "resv_acquire", 0x15: "resv_release", 0x19: "copy", 0x79: "zone_mgmt_send",
+    0x7A: "zone_mgmt_recv", 0x7D: "zone_append",
+}
+ADMIN_OPCODES = {
+    0x00: "delete_sq", 0x01: "create_sq", 0x02: "get_log_page", 0x04: "delete_cq", 0x05: "create_cq",
+    0x06: "identify", 0x08: "abort", 0x09: "set_features", 0x0A: "get_features",
+    0x0C: "async_event", 0x0D: "ns_mgmt", 0x10: "fw_commit", 0x11: "fw_download",
+    0x14: "device_self_test", 0x15: "ns_attach", 0x18: "keep_alive", 0x19: "directive_send",
+    0x1A: "directive_recv", 0x7C: "dbbuf", 0x80: "format_nvm", 0x81: "security_send",
+    0x82: "security_recv", 0x84: "sanitize", 0x86: "get_lba_status",
+}
+FABRICS_TYPES = {0x00: "property_set", 0x01: "connect", 0x04: "property_get", 0x05: "auth_send",
+                 0x06: "auth_receive", 0x08: "disconnect"}
+LBA_OPCODES = {0x01, 0x02, 0x04, 0x05, 0x08, 0x0C, 0x7D}
+DATA_OPCODES = {0x01, 0x02, 0x05, 0x7D}
+
+# nvme_req(req)->status: SC in bits 0-7, SCT 8-10, CRD 11-12, More 13, DNR 14 (host-side
+# codes 0x37x are the driver's own: path error, aborted by the host).
+STATUS_TEXT = {
+    0x0000: "success", 0x0001: "invalid opcode", 0x0002: "invalid field", 0x0004: "data transfer error",
+    0x0006: "internal error", 0x0007: "abort requested", 0x0008: "aborted: SQ deleted",
+    0x000B: "invalid namespace or format", 0x0080: "LBA out of range", 0x0081: "capacity exceeded",
+    0x0082: "namespace not ready", 0x0280: "write fault", 0x0281: "unrecovered read error",
+    0x0287: "access denied", 0x0301: "ANA persistent loss", 0x0302: "ANA inaccessible",
+    0x0303: "ANA transition", 0x0370: "host path error", 0x0371: "aborted by host",
+}
+AEN_TYPES = {0: "error", 1: "smart", 2: "notice", 6: "io_command_set", 7: "vendor"}
+AEN_NOTICES = {0x00: "namespace attributes changed", 0x01: "firmware activation starting",
+               0x02: "telemetry log changed", 0x03: "ANA change", 0x04: "predictable latency change",
+               0x05: "LBA status information", 0x06: "endurance group event",
+               0xF0: "discovery log page changed"}
+
+REQUIRED = {
+    "nvme_setup_cmd": ("ctrl_id", "qid", "opcode", "flags", "cid", "nsid", "cdw10"),
+    "nvme_complete_rq": ("ctrl_id", "qid", "cid", "retries", "flags", "status"),
+}
+
+
+def _default_fields(system: str, event: str):
+    from kvtrace.fabric import tpformat
+
+    return tpformat.field_names(system, event)
+
+
+def config(tp, fields=None) -> tuple[list[str], str | None]:
+    """Compile flags for this kernel's nvme tracepoints, or why the probe is skipped.
+
+    ``fields(system, event)`` gives the field names of a tracepoint (None when its format
+    cannot be read; the current upstream layout is then assumed).
+    """
+    if not (tp("nvme", "nvme_setup_cmd") and tp("nvme", "nvme_complete_rq")):
+        return [], "nvme:nvme_setup_cmd/nvme_complete_rq not in this kernel (no NVMe driver, or nvme_core not loaded)"
+    fields = fields or _default_fields
+    flags = []
+    have = {ev: fields("nvme", ev) for ev in REQUIRED}
+    for ev, need in REQUIRED.items():
+        if have[ev] is not None:
+            missing = [f for f in need if f not in have[ev]]
+            if missing:
+                return [], f"nvme:{ev} has no {', '.join(missing)} in this kernel's layout"
+    if have["nvme_setup_cmd"] is None or "fctype" in have["nvme_setup_cmd"]:
+        flags.append("-DKV_NVME_HAVE_FCTYPE")
+    if have["nvme_complete_rq"] is None or "disk" in have["nvme_complete_rq"]:
+        flags.append("-DKV_NVME_HAVE_DISK")
+    if tp("nvme", "nvme_sq"):
+        sq = fields("nvme", "nvme_sq")
+        if sq is None or {"ctrl_id", "qid", "sq_head", "sq_tail"} <= sq:
+            flags.append("-DKV_NVME_HAVE_SQ")
+    if tp("nvme", "nvme_async_event"):
+        flags.append("-DKV_NVME_HAVE_AEN")
+    return flags, None
+
+
+def opname(qid: int, opcode: int, fctype: int) -> str:
+    if opcode == 0x7F:
+        if fctype == 0xFF:
+            return "fabrics"   # the kernel's tracepoint has no fctype
+        return FABRICS_TYPES.get(fctype, f"fabrics_{fctype:#x}")
+    if qid == 0:
+        return ADMIN_OPCODES.get(opcode, f"admin_{opcode:#x}")
+    return IO_OPCODES.get(opcode, f"io_{opcode:#x}")
+
+
+def opclass_of(qid: int, opcode: int) -> int:
+    if opcode == 0x7F:
+        return 5
+    if qid == 0:
+        return 4
+    return {0x02: 0, 0x01: 1, 0x00: 2}.get(opcode, 3)
+
+
+def status_text(status: int) -> str:
+    code = status & 0x7FF
+    text = STATUS_TEXT.get(code, f"sct {code >> 8:#x} sc {code & 0xFF:#x}")
+    if status & 0x4000:
+        text += " (do not retry)"
+    return text
+
+
+def aen_text(result: int) -> tuple[str, str]:
+    typ, info, _log = result & 0x7, (result >> 8) & 0xFF, (result >> 16) & 0xFF
+    kind = AEN_TYPES.get(typ, f"type_{typ}")
+    text = AEN_NOTICES.get(info, f"info {info:#x}") if typ == 2 else f"info {info:#x}"
+    return kind, text
+
+
+def _topo_cols(ctx: DecodeContext, ctrl_ids) -> tuple[list[str], list[str]]:
+    """Transport and target address per controller, from the topology the fabric sidecar put
+    on the shared decode context (absent: empty strings)."""
+    ctrls = getattr(ctx, "nvme_ctrls", None) or {}
+    transport, traddr = [], []
+    for c in ctrl_ids:
+        info = ctrls.get(int(c))
+        transport.append(info.transport if info else "")
+        traddr.append(info.target if info else "")
+    return transport, traddr
+
+
+def decode(raw: list[bytes], ctx: DecodeContext) -> dict[str, pa.Table]:
+    a = decode_array(raw, DTYPE)
+    out = {}
+    cmd = a[a["rec"] == REC_CMD]
+    aen = a[a["rec"] == REC_AEN]
+    if len(cmd):
+        end = cmd["ts"].astype(np.int64)
+        start = cmd["ts_setup"].astype(np.int64)
+        qid, opc, fct = cmd["qid"].tolist(), cmd["opcode"].tolist(), cmd["fctype"].tolist()
+        status = cmd["status"].tolist()
+        occ = cmd["sq_occ"]
+        transport, traddr = _topo_cols(ctx, cmd["ctrl_id"])
+        out[TABLE] = pa.table({
+            "ts_ns": pa.array(cmd["ts"], pa.uint64()),
+            "setup_ns": pa.array(cmd["ts_setup"], pa.uint64()),
+            "latency_ns": pa.array(end - start, pa.int64()),
+            "pid": pa.array(cmd["tgid"], pa.uint32()),
+            "tid": pa.array(cmd["tid"], pa.uint32()),
+            "comm": pa.array(cstr(cmd["comm"]), pa.string()),
+            "issuer": pa.array([ISSUERS[i] if i < len(ISSUERS) else "" for i in cmd["issuer"].tolist()], pa.string()),
+            "setup_tid": pa.array(cmd["setup_tid"], pa.uint32()),
+            "ctrl_id": pa.array(cmd["ctrl_id"], pa.uint32()),
+            "ctrl": pa.array([f"nvme{c}" for c in cmd["ctrl_id"].tolist()], pa.string()),
+            "transport": pa.array(transport, pa.string()),
+            "traddr": pa.array(traddr, pa.string()),
+            "qid": pa.array(cmd["qid"], pa.uint32()),
+            "cid": pa.array(cmd["cid"], pa.uint32()),
+            "disk": pa.array(cstr(cmd["disk"]), pa.string()),
+            "nsid": pa.array(cmd["nsid"], pa.uint32()),
+            "opcode": pa.array(cmd["opcode"], pa.uint32()),
+            "op": pa.array([opname(q, o, f) for q, o, f in zip(qid, opc, fct)], pa.string()),
+            "opclass": pa.array([OPCLASSES[c] if c < len(OPCLASSES) else "" for c in cmd["opclass"].tolist()], pa.string()),
+            "slba": pa.array(cmd["slba"], pa.uint64()),
+            "nlb": pa.array(cmd["nlb"], pa.uint32()),
+            "bytes": pa.array(cmd["bytes"], pa.uint64()),
+            "status": pa.array(cmd["status"], pa.uint32()),
+            "status_text": pa.array([status_text(s) for s in status], pa.string()),
+            "retries": pa.array(cmd["retries"], pa.uint32()),
+            "flags": pa.array(cmd["flags"], pa.uint32()),
+            "sq_occupancy": pa.array(occ.astype(np.int32), pa.int32(), mask=occ == NO_OCC),
+            "weight": pa.array(cmd["weight"], pa.uint32()),
+        })
+    if len(aen):
+        kinds, texts = zip(*(aen_text(int(r)) for r in aen["result"].tolist()))
+        transport, traddr = _topo_cols(ctx, aen["ctrl_id"])
+        out[ASYNC_TABLE] = pa.table({
+            "ts_ns": pa.array(aen["ts"], pa.uint64()),
+            "ctrl_id": pa.array(aen["ctrl_id"], pa.uint32()),
+            "ctrl": pa.array([f"nvme{c}" for c in aen["ctrl_id"].tolist()], pa.string()),
+            "transport": pa.array(transport, pa.string()),
+            "traddr": pa.array(traddr, pa.string()),
+            "result": pa.array(aen["result"].astype(np.uint32), pa.uint32()),
+            "type": pa.array(list(kinds), pa.string()),
+            "event": pa.array(list(texts), pa.string()),
+        })
+    return out
+
+
+class Reference:
+    """nvme.bpf.c's rules in Python, over tracepoint records decoded by their format.
+
+    ``feed(event, fields, ts, pid=0, tid=0, comm="")`` takes one record (``fields`` as
+    ``tpformat.Format.decode`` returns them); ``events`` collects the kv_nvme_event records
+    the BPF program would have emitted, ``qstats`` and ``hist`` the map contents.
+    ``ns`` maps (ctrl_id, nsid) to (dev1, dev2, lba_shift); ``block`` maps (dev, sector) to
+    (tgid, tid, comm) like blockio's block_start.
+    """
+
+    def __init__(self, mode: str = "all", budget: int = 1000, slow_ns: int = 0, ns=None, block=None, qdepth=None):
+        self.mode, self.budget, self.slow_ns = MODES[mode], budget, slow_ns
+        self.ns = ns or {}
+        self.block = block or {}
+        self.qdepth = qdepth or {}
+        self.start: dict[tuple, dict] = {}
+        self.qstats: dict[tuple, dict] = {}
+        self.hist: dict[tuple, int] = {}
+        self.sqocc: dict[tuple, int] = {}
+        self.events: list[bytes] = []
+        self.rate = {"win_start": 0, "seen": 0, "shift": 0}
+
+    def _q(self, ctrl, qid, opclass) -> dict:
+        return self.qstats.setdefault((ctrl, qid, opclass), dict.fromkeys(
+            ("setups", "completions", "bytes", "latency_ns", "errors", "retried", "unmatched",
+             "sq_samples", "sq_occ_sum", "sq_occ_max"), 0))
+
+    def feed(self, event: str, f: dict, ts: int, pid: int = 0, tid: int = 0, comm: str = "", cpu: int = 0) -> None:
+        getattr(self, "_" + event)(f, ts, pid, tid, comm, cpu)
+
+    def _nvme_setup_cmd(self, f, ts, pid, tid, comm, cpu):
+        qid, opcode = f["qid"], f["opcode"]
+        if qid == 0 and opcode == 0x0C:
+            return
+        key = (f["ctrl_id"], qid, f["cid"] & 0xFFF)
+        s = dict(ts=ts, cid=f["cid"], opcode=opcode, flags=f["flags"], fctype=f.get("fctype", 0xFF), nsid=f["nsid"],
+                 setup_tid=tid, slba=0, nlb=0, bytes=0, issuer=0, tgid=0, tid=0, comm=b"")
+        shift, ns = 9, None
+        if qid != 0 and opcode in LBA_OPCODES:
+            cdw = bytes(f["cdw10"])
+            s["slba"] = int.from_bytes(cdw[0:8], "little")
+            s["nlb"] = (cdw[8] | cdw[9] << 8) + 1
+            ns = self.ns.get((f["ctrl_id"], f["nsid"]))
+            if ns and 9 <= ns[2] <= 16:
+                shift = ns[2]
+            if opcode in DATA_OPCODES:
+                s["bytes"] = (s["nlb"] << shift) & 0xFFFFFFFF
+        if ns:
+            hit = self.block.get((ns[0], s["slba"] << (shift - 9)))
+            if hit is None and ns[1]:
+                hit = self.block.get((ns[1], s["slba"] << (shift - 9)))
+            if hit:
+                s["tgid"], s["tid"], s["comm"], s["issuer"] = hit[0], hit[1], hit[2].encode(), 1
+        if not s["issuer"]:
+            s["tgid"], s["tid"], s["comm"], s["issuer"] = pid, tid, comm.encode(), 2
+        self.start[key] = s
+        self._q(key[0], qid, opclass_of(qid, opcode))["setups"] += 1
+
+    def _sample(self, now, lat, status, retries) -> int:
+        forced = status != 0 or retries != 0 or (self.slow_ns and lat >= self.slow_ns)
+        if self.mode == MODES["all"]:
+            return 1
+        r = self.rate
+        if now - r["win_start"] >= WINDOW_NS:
+            s = 0
+            for _ in range(MAX_SHIFT):
+                if (r["seen"] >> s) > self.budget:
+                    s += 1
+            r.update(shift=s, seen=0, win_start=now)
+        r["seen"] = (r["seen"] + 1) & 0xFFFFFFFF
+        if (r["seen"] >> r["shift"]) > 2 * self.budget and r["shift"] < MAX_SHIFT:
+            r["shift"] += 1
+        if forced:
+            return 1
+        if self.mode == MODES["none"]:
+            return 0
+        if r["seen"] & ((1 << r["shift"]) - 1):
+            return 0
+        return 1 << r["shift"]
+
+    def _nvme_complete_rq(self, f, ts, pid, tid, comm, cpu):
+        key = (f["ctrl_id"], f["qid"], f["cid"] & 0xFFF)
+        s = self.start.pop(key, None)
+        if s is None:
+            self._q(key[0], key[1], OP_UNKNOWN)["unmatched"] += 1
+            return
+        lat = ts - s["ts"]
+        status, retries = f["status"], f["retries"]
+        opclass = opclass_of(key[1], s["opcode"])
+        q = self._q(key[0], key[1], opclass)
+        q["completions"] += 1
+        q["latency_ns"] += lat
+        if status == 0:
+            q["bytes"] += s["bytes"]
+        else:
+            q["errors"] += 1
+        if retries:
+            q["retried"] += 1
+        slot = lat.bit_length() if lat > 0 else 0
+        self.hist[(key[0], key[1], opclass, slot)] = self.hist.get((key[0], key[1], opclass, slot), 0) + 1
+        weight = self._sample(ts, lat, status, retries)
+        if not weight:
+            return
+        e = np.zeros(1, dtype=DTYPE)
+        e["kind"], e["version"], e["size"], e["cpu"], e["ts"] = KIND_NVME, 1, DTYPE.itemsize, cpu, ts
+        e["tgid"], e["tid"], e["ts_setup"], e["slba"] = s["tgid"], s["tid"], s["ts"], s["slba"]
+        e["ctrl_id"], e["nsid"], e["nlb"], e["bytes"], e["weight"] = key[0], s["nsid"], s["nlb"], s["bytes"], weight
+        e["qid"], e["cid"], e["status"] = key[1], s["cid"], status
+        e["sq_occ"] = self.sqocc.get(key[:2], NO_OCC)
+        e["opcode"], e["fctype"], e["flags"], e["retries"] = s["opcode"], s["fctype"], f["flags"], retries
+        e["rec"], e["issuer"], e["opclass"], e["setup_tid"] = REC_CMD, s["issuer"], opclass, s["setup_tid"]
+        e["disk"], e["comm"] = bytes(f.get("disk", b""))[:32], s["comm"][:16]
+        self.events.append(e.tobytes())
+
+    def _nvme_sq(self, f, ts, pid, tid, comm, cpu):
+        depth = self.qdepth.get(f["ctrl_id"], 65536) or 65536
+        occ = (f["sq_tail"] + depth - f["sq_head"]) % depth
+        self.sqocc[(f["ctrl_id"], f["qid"])] = occ
+        q = self._q(f["ctrl_id"], f["qid"], OP_QUEUE)
+        q["sq_samples"] += 1
+        q["sq_occ_sum"] += occ
+        q["sq_occ_max"] = max(q["sq_occ_max"], occ)
+
+    def _nvme_async_event(self, f, ts, pid, tid, comm, cpu):
+        e = np.zeros(1, dtype=DTYPE)
+        e["kind"], e["version"], e["size"], e["cpu"], e["ts"] = KIND_NVME, 1, DTYPE.itemsize, cpu, ts
+        e["ctrl_id"], e["result"], e["weight"], e["sq_occ"], e["rec"] = f["ctrl_id"], f["result"], 1, NO_OCC, REC_AEN
+        self.events.append(e.tobytes())
