@@ -70,6 +70,7 @@ class Pipeline:
         self.start_ns = time.monotonic_ns()
         self.offset = clock_offset_ns()
         self.start_wall = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.sidecars: list = []
         for pid in pids:
             fdopen.snapshot(self.ctx, pid)
 
@@ -100,6 +101,9 @@ class Pipeline:
         if self.raw_out is not None:
             rawfile.append(self.raw_out, batch)
         tables = self.decode(batch)
+        for sidecar in self.sidecars:
+            for name, table in sidecar.drain().items():
+                tables[name] = pa.concat_tables([tables[name], table]) if name in tables else table
         for name, table in tables.items():
             self.totals.events[name] = self.totals.events.get(name, 0) + table.num_rows
             if name == "file_io":
@@ -111,7 +115,18 @@ class Pipeline:
         return tables
 
     def lost_by_table(self) -> dict[str, int]:
-        return {BY_KIND[k].TABLE if k in BY_KIND else f"kind{k}": v for k, v in self.source.lost().items()}
+        lost = {BY_KIND[k].TABLE if k in BY_KIND else f"kind{k}": v for k, v in self.source.lost().items()}
+        for sidecar in self.sidecars:
+            if hasattr(sidecar, "lost"):
+                name = getattr(sidecar, "name", type(sidecar).__name__)
+                lost[name] = lost.get(name, 0) + sidecar.lost()
+        return lost
+
+    def add_sidecar(self, sidecar) -> None:
+        """A source beside the ring buffer (vLLM KV events, /metrics) running on its own thread:
+        ``drain() -> {table: pa.Table}`` each step, ``stats() -> dict`` into the run row, and
+        optionally ``name``, ``lost() -> int`` and ``close()`` (called by ``finish``)."""
+        self.sidecars.append(sidecar)
 
     def run_row(self, status: str) -> dict:
         return {
@@ -131,9 +146,13 @@ class Pipeline:
             "events": json.dumps(self.totals.events),
             "lost_events": json.dumps(self.lost_by_table()),
             "dropped_events": self.source.dropped,
+            "sidecars": json.dumps([{"name": getattr(s, "name", type(s).__name__), **s.stats()} for s in self.sidecars]),
         }
 
     def finish(self) -> None:
+        for sidecar in self.sidecars:
+            if hasattr(sidecar, "close"):
+                sidecar.close()
         self.step(status="complete")
         self.writer.compact()
 

@@ -9,7 +9,7 @@ import click
 from kvtrace.agentflag import AgentFlag
 from kvtrace.capture import BY_NAME, program
 from kvtrace.dataset.writer import DatasetWriter
-from kvtrace.errors import OutputError, PrivilegeError, UsageError
+from kvtrace.errors import OutputError, PrivilegeError, TargetError, UsageError
 from kvtrace.host import privileges, tracefs
 from kvtrace.status import StatusLine
 
@@ -36,6 +36,78 @@ class Stop:
         return self.reason
 
 
+def choose_server(port: int | None, yes: bool):
+    """The one vLLM server to trace when neither --pid nor a command is given."""
+    from kvtrace.commands.servers import render
+    from kvtrace.vllm.discover import discover
+
+    servers = discover()
+    if port is not None:
+        match = [s for s in servers if s.port == port]
+        if len(match) == 1:
+            return match[0]
+        if not match:
+            ports = ", ".join(str(s.port) for s in servers) or "none"
+            raise TargetError(f"no vLLM server listens on port {port} (vLLM servers found on ports: {ports})")
+        servers = match
+    if not servers:
+        raise UsageError("nothing to trace: no vLLM server found; give --pid PID, or a command after -- (kvtrace attach --out DIR -- CMD)")
+    if len(servers) == 1 and (yes or port is not None):
+        return servers[0]
+    render(servers)
+    if len(servers) == 1:
+        raise UsageError("found 1 vLLM server: pass --yes to attach to it, or pick it with --port PORT / --pid PID")
+    raise UsageError(f"found {len(servers)} vLLM servers: pick one with --port PORT or --pid PID")
+
+
+def start_vllm_streams(server, kv_events: str | None, kv_replay: str | None, metrics_url: str | None,
+                       metrics_interval: float) -> list:
+    """Start the KV-event subscriber(s) and the /metrics scraper for this capture.
+
+    Explicit --kv-events / --metrics-url win over what discovery found.  An endpoint that
+    cannot be reached gives one warning line; capture goes on (the threads keep retrying).
+    """
+    from kvtrace.vllm import kvevents
+    from kvtrace.vllm.metrics import MetricsScraper
+
+    sidecars, notes = [], []
+    root = f"/proc/{server.pid}/root" if server is not None and server.in_container else None
+    endpoints: list[tuple[str, str | None, str]] = []  # (vLLM-side endpoint, replay, topic)
+    if kv_events:
+        endpoints.append((kv_events, kv_replay, ""))
+    elif server is not None and server.kv_events is not None and server.kv_events.enabled:
+        kv = server.kv_events
+        for rank in range(kv.dp_size):
+            endpoints.append((kvevents.rank_endpoint(kv.endpoint, rank),
+                              kvevents.rank_endpoint(kv.replay_endpoint, rank), kv.topic))
+    for endpoint, replay, topic in endpoints:
+        try:
+            address, bind = kvevents.subscriber_endpoint(endpoint, root=root)
+        except ValueError as e:
+            click.echo(f"kvtrace: warning: {e}; capture continues without kv_events", err=True)
+            continue
+        sub = kvevents.KvEventSubscriber(address, kvevents.replay_address(replay, root=root) if replay else None,
+                                         topic=topic, bind=bind)
+        for w in sub.start():
+            click.echo(f"kvtrace: warning: {w}", err=True)
+        sidecars.append(sub)
+        notes.append(f"kv_events from {address}" + (" (bound: vLLM connects to it)" if sub.bind else ""))
+    if server is not None and server.kv_events is not None and not server.kv_events.enabled and not kv_events:
+        notes.append("no kv_events (the server was started without KV events)")
+    elif server is not None and server.kv_events is None and not kv_events:
+        notes.append("no kv_events (the server was started without --kv-events-config)")
+    url = metrics_url or (server.metrics_url if server is not None else None)
+    if url:
+        scraper = MetricsScraper(url, interval=metrics_interval)
+        for w in scraper.start():
+            click.echo(f"kvtrace: warning: {w}", err=True)
+        sidecars.append(scraper)
+        notes.append(f"vllm_metrics from {url} every {metrics_interval:g}s")
+    if notes:
+        click.echo("kvtrace: vLLM streams: " + "; ".join(notes), err=True)
+    return sidecars
+
+
 @click.command("attach", context_settings={"ignore_unknown_options": False})
 @click.option("--pid", "pids", type=int, multiple=True, help="Process to trace (all its threads, and children started later). Repeatable.")
 @click.option("--out", "out", type=click.Path(file_okay=False), required=True, help="Dataset directory to write (created if missing).")
@@ -46,17 +118,34 @@ class Stop:
 @click.option("--flush-interval", type=float, default=1.0, show_default=True, help="Seconds between Parquet part files (a crash loses at most this much).")
 @click.option("--quiet", is_flag=True, help="No live status line.")
 @click.option("--raw-out", type=click.Path(dir_okay=False), default=None, help="Also keep the raw ring-buffer records in this file (for bug reports and decoder tests).")
+@click.option("--port", type=int, default=None, help="Trace the vLLM server listening on this port (API server, EngineCore, Workers).")
+@click.option("--yes", is_flag=True, help="Without --pid or a command: attach to the only vLLM server found.")
+@click.option("--kv-events", "kv_events", default=None, metavar="ENDPOINT", help="vLLM KV-event endpoint as given to vLLM's --kv-events-config (default: from the discovered server).")
+@click.option("--kv-replay", "kv_replay", default=None, metavar="ENDPOINT", help="vLLM KV-event replay endpoint, with --kv-events.")
+@click.option("--metrics-url", default=None, metavar="URL", help="vLLM Prometheus URL to scrape (default: the discovered server's /metrics).")
+@click.option("--metrics-interval", type=float, default=1.0, show_default=True, help="Seconds between /metrics scrapes.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def command(pids, out, duration, probe_names, no_writes, ringbuf_pages, flush_interval, quiet, raw_out, command) -> int:
+def command(pids, out, duration, probe_names, no_writes, ringbuf_pages, flush_interval, quiet, raw_out, port, yes,
+            kv_events, kv_replay, metrics_url, metrics_interval, command) -> int:
     """Attach kernel probes to processes and record their I/O.
 
     Trace running processes with --pid, or start one: kvtrace attach --out DIR -- CMD ARGS.
+    With neither, find the vLLM server (--port PORT, or --yes for the only one) and trace its
+    API server, EngineCore and Workers, plus its KV-event stream and /metrics.
     """
     from kvtrace import targets
     from kvtrace.pipeline import Pipeline, default_host, new_run_id
 
+    if metrics_interval <= 0:
+        raise UsageError("--metrics-interval must be a positive number of seconds")
+    if kv_replay and not kv_events:
+        raise UsageError("--kv-replay needs --kv-events")
+    server = None
     if not pids and not command:
-        raise UsageError("nothing to trace: give --pid PID, or a command after -- (kvtrace attach --out DIR -- CMD)")
+        server = choose_server(port, yes)
+        pids = tuple(server.pids)
+    elif port is not None:
+        raise UsageError("--port picks a discovered vLLM server: use it without --pid or a command")
     if duration is not None and duration <= 0:
         raise UsageError("--duration must be a positive number of seconds")
     if ringbuf_pages <= 0 or ringbuf_pages & (ringbuf_pages - 1):
@@ -85,6 +174,8 @@ def command(pids, out, duration, probe_names, no_writes, ringbuf_pages, flush_in
         for name, why in plan.skipped.items():
             if why != "not selected":
                 click.echo(f"kvtrace: probe {name} skipped: {why}", err=True)
+        for sidecar in start_vllm_streams(server, kv_events, kv_replay, metrics_url, metrics_interval):
+            pipeline.add_sidecar(sidecar)
         click.echo(f"kvtrace: attached {', '.join(plan.attached)} to pid {', '.join(map(str, pids))}; writing {out}", err=True)
         if gated:
             gated.release()
@@ -110,6 +201,8 @@ def command(pids, out, duration, probe_names, no_writes, ringbuf_pages, flush_in
             gated.stop()
         pipeline.finish()
     finally:
+        for sidecar in pipeline.sidecars if "pipeline" in locals() else ():
+            sidecar.close()
         source.close()
         if raw_out and "raw" in locals() and raw:
             raw.close()

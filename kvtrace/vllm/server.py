@@ -75,7 +75,8 @@ class VllmServer:
             "--load-format", "dummy", "--skip-tokenizer-init", "--host", "127.0.0.1",
             "--port", str(self.port), "--max-model-len", "4096", *self.args,
         ]
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **self.env)
+        # No VLLM_CPU_KVCACHE_SPACE default: on the CPU build it overrides --kv-cache-memory-bytes.
+        env = {**os.environ, **self.env}
         env.pop("PYTHONPATH", None)
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
