@@ -149,7 +149,7 @@ _event = st.one_of(
     st.dictionaries(_field_names, _value, max_size=6),
 )
 _batch = st.one_of(
-    st.tuples(st.one_of(st.floats(), st.integers(), _scalar), st.lists(_event, max_size=6), _scalar).map(list),
+    st.tuples(st.one_of(st.floats(), st.integers(-(2 ** 63), 2 ** 64 - 1), _scalar), st.lists(_event, max_size=6), _scalar).map(list),
     st.tuples(_scalar, st.lists(_event, max_size=4)).map(list),
     st.fixed_dictionaries({"ts": _scalar, "events": st.one_of(_value, st.lists(_event, max_size=4))}),
     _value,
