@@ -41,3 +41,9 @@ class DatasetError(KvtraceError):
     """A recorded dataset is missing, unreadable or of another schema version."""
 
     exit_code = 6
+
+
+class ExportError(KvtraceError):
+    """Nothing reached the OTLP endpoint (down, refusing, or too slow for every request)."""
+
+    exit_code = 7

@@ -71,6 +71,8 @@ class Pipeline:
         self.offset = clock_offset_ns()
         self.start_wall = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         self.sidecars: list = []
+        self.sinks: list = []  # live consumers of every flush's tables (kvtrace.otlp.sink)
+        self.notes: list[str] = []  # what a clean stop could not do (said by the caller)
         for pid in pids:
             fdopen.snapshot(self.ctx, pid)
 
@@ -111,6 +113,8 @@ class Pipeline:
                 self.totals.bytes_read += int(pc.sum(pc.if_else(reads, table["bytes"], 0)).as_py() or 0)
                 self.totals.bytes_written += int(pc.sum(pc.if_else(reads, 0, table["bytes"])).as_py() or 0)
             self.writer.add(name, table)
+        for sink in self.sinks:
+            sink.consume(tables)
         self.writer.flush(self.run_row(status))
         return tables
 
@@ -127,6 +131,12 @@ class Pipeline:
         ``drain() -> {table: pa.Table}`` each step, ``stats() -> dict`` into the run row, and
         optionally ``name``, ``lost() -> int`` and ``close()`` (called by ``finish``)."""
         self.sidecars.append(sidecar)
+
+    def add_sink(self, sink) -> None:
+        """A consumer of each flush's decoded tables (the OTLP exporter): ``consume(tables)`` each
+        step, ``finish()`` at a clean stop, ``close()`` otherwise, ``stats() -> dict`` into the run
+        row.  It must not block: it queues and drops, counted."""
+        self.sinks.append(sink)
 
     def run_row(self, status: str) -> dict:
         return {
@@ -147,6 +157,7 @@ class Pipeline:
             "lost_events": json.dumps(self.lost_by_table()),
             "dropped_events": self.source.dropped,
             "sidecars": json.dumps([{"name": getattr(s, "name", type(s).__name__), **s.stats()} for s in self.sidecars]),
+            "sinks": json.dumps([s.stats() for s in self.sinks]),
         }
 
     def finish(self) -> None:
@@ -154,7 +165,21 @@ class Pipeline:
             if hasattr(sidecar, "close"):
                 sidecar.close()
         self.step(status="complete")
+        for sink in self.sinks:
+            sink.finish()
+        if self.sinks:
+            self.writer.write_run(self.run_row("complete"))
         self.writer.compact()
+        self.derive()
+
+    def derive(self) -> None:
+        """Add this run's derived tables (requests, chunks, steps, attributions; kvtrace.correlate)."""
+        try:
+            from kvtrace.correlate.derive import correlate_dataset
+
+            correlate_dataset(self.writer.root, run=self.writer.run)
+        except Exception as e:  # the raw tables are written; `kvtrace correlate DIR` can retry
+            self.notes.append(f"derived tables not written ({type(e).__name__}: {e}); run kvtrace correlate {self.writer.root}")
 
 
 def default_host() -> str:

@@ -124,9 +124,11 @@ def start_vllm_streams(server, kv_events: str | None, kv_replay: str | None, met
 @click.option("--kv-replay", "kv_replay", default=None, metavar="ENDPOINT", help="vLLM KV-event replay endpoint, with --kv-events.")
 @click.option("--metrics-url", default=None, metavar="URL", help="vLLM Prometheus URL to scrape (default: the discovered server's /metrics).")
 @click.option("--metrics-interval", type=float, default=1.0, show_default=True, help="Seconds between /metrics scrapes.")
+@click.option("--otlp", "otlp", default=None, metavar="URL", help="Also stream spans and metrics over OTLP while attached (http://host:4317 gRPC, http://host:4318 HTTP).")
+@click.option("--otlp-protocol", type=click.Choice(["grpc", "http"]), default="grpc", show_default=True, help="OTLP transport for --otlp.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def command(pids, out, duration, probe_names, no_writes, ringbuf_pages, flush_interval, quiet, raw_out, port, yes,
-            kv_events, kv_replay, metrics_url, metrics_interval, command) -> int:
+            kv_events, kv_replay, metrics_url, metrics_interval, otlp, otlp_protocol, command) -> int:
     """Attach kernel probes to processes and record their I/O.
 
     Trace running processes with --pid, or start one: kvtrace attach --out DIR -- CMD ARGS.
@@ -136,6 +138,10 @@ def command(pids, out, duration, probe_names, no_writes, ringbuf_pages, flush_in
     from kvtrace import targets
     from kvtrace.pipeline import Pipeline, default_host, new_run_id
 
+    if otlp:
+        from kvtrace.otlp.exporter import parse_endpoint
+
+        parse_endpoint(otlp, otlp_protocol)  # a bad URL is a usage error, before anything is attached
     if metrics_interval <= 0:
         raise UsageError("--metrics-interval must be a positive number of seconds")
     if kv_replay and not kv_events:
@@ -171,6 +177,11 @@ def command(pids, out, duration, probe_names, no_writes, ringbuf_pages, flush_in
             source.add_target(pid)
         raw = open(raw_out, "wb") if raw_out else None
         pipeline = Pipeline(source, plan, writer, pids, command=" ".join(command), raw_out=raw)
+        if otlp:
+            from kvtrace.otlp.sink import OtlpSink
+
+            pipeline.add_sink(OtlpSink(otlp, otlp_protocol, writer.run, writer.host, pipeline.offset,
+                                       lateness_s=2 * flush_interval + 1))
         for name, why in plan.skipped.items():
             if why != "not selected":
                 click.echo(f"kvtrace: probe {name} skipped: {why}", err=True)
@@ -203,9 +214,15 @@ def command(pids, out, duration, probe_names, no_writes, ringbuf_pages, flush_in
     finally:
         for sidecar in pipeline.sidecars if "pipeline" in locals() else ():
             sidecar.close()
+        for sink in pipeline.sinks if "pipeline" in locals() else ():
+            sink.close()
         source.close()
         if raw_out and "raw" in locals() and raw:
             raw.close()
+    for sink in pipeline.sinks:
+        click.echo(f"kvtrace: {sink.describe()}", err=True)
+    for note in pipeline.notes:
+        click.echo(f"kvtrace: warning: {note}", err=True)
     click.echo(f"kvtrace: stopped ({stop.reason}); dataset {out}, run {writer.run}", err=True)
     from kvtrace.commands.summary import print_summary
     from kvtrace.dataset.reader import Dataset

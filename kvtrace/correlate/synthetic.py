@@ -33,7 +33,8 @@ def table(name: str, rows: list[dict]) -> pa.Table:
     for f in sch:
         vals = [r.get(f.name) for r in rows]
         text = pa.types.is_string(f.type) or pa.types.is_dictionary(f.type)
-        vals = [("" if text else 0) if v is None else v for v in vals]
+        default = "" if text else False if pa.types.is_boolean(f.type) else [] if pa.types.is_list(f.type) else 0
+        vals = [default if v is None else v for v in vals]
         cols[f.name] = pa.array(vals, pa.string()).cast(f.type) if text else pa.array(vals, f.type)
     return pa.table(cols, schema=sch)
 
