@@ -1,0 +1,224 @@
+"""A real OTLP receiver for tests, built from opentelemetry-proto: gRPC TraceService and
+MetricsService, and an HTTP/protobuf endpoint (POST /v1/traces, /v1/metrics).  It decodes every
+request with the official message classes and keeps what arrived.
+
+Modes: "ok"; "refuse" (gRPC UNAVAILABLE / HTTP 503 for every export); "slow" (sleeps ``delay``
+seconds before answering).  Ports are taken from 4400-4499.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+PORTS = range(4400, 4500)
+
+
+def free_port(avoid=()) -> int:
+    for p in PORTS:
+        if p in avoid:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p))
+            except OSError:
+                continue
+            return p
+    raise RuntimeError("no free port in 4400-4499")
+
+
+@dataclass
+class DecodedSpan:
+    trace_id: str
+    span_id: str
+    parent_id: str
+    name: str
+    start: int
+    end: int
+    attrs: dict
+    events: list
+    trace_state: str
+    resource: dict
+    dropped_events: int
+    status: int
+    kind: int
+
+    def key(self):
+        return (self.trace_id, self.span_id, self.parent_id, self.name, self.start, self.end,
+                tuple(sorted(self.attrs.items())), tuple((t, n, tuple(sorted(a.items()))) for t, n, a in self.events),
+                self.trace_state, self.dropped_events, self.status)
+
+
+def _value(v):
+    which = v.WhichOneof("value")
+    if which is None:
+        return None
+    if which == "array_value":
+        return [_value(x) for x in v.array_value.values]
+    if which == "kvlist_value":
+        return {kv.key: _value(kv.value) for kv in v.kvlist_value.values}
+    return getattr(v, which)
+
+
+def _attrs(kvs) -> dict:
+    return {kv.key: _value(kv.value) for kv in kvs}
+
+
+@dataclass
+class Received:
+    spans: list = field(default_factory=list)
+    metrics: list = field(default_factory=list)     # (resource attrs, Metric message)
+    trace_requests: int = 0
+    metric_requests: int = 0
+    transports: set = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add_traces(self, req, transport: str) -> None:
+        out = []
+        for rs in req.resource_spans:
+            res = _attrs(rs.resource.attributes)
+            for ss in rs.scope_spans:
+                for s in ss.spans:
+                    out.append(DecodedSpan(
+                        s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(), s.name, s.start_time_unix_nano,
+                        s.end_time_unix_nano, _attrs(s.attributes),
+                        [(e.time_unix_nano, e.name, _attrs(e.attributes)) for e in s.events], s.trace_state, res,
+                        s.dropped_events_count, s.status.code, s.kind))
+        with self.lock:
+            self.spans.extend(out)
+            self.trace_requests += 1
+            self.transports.add(transport)
+
+    def add_metrics(self, req, transport: str) -> None:
+        with self.lock:
+            for rm in req.resource_metrics:
+                res = _attrs(rm.resource.attributes)
+                for sm in rm.scope_metrics:
+                    for m in sm.metrics:
+                        self.metrics.append((res, m))
+            self.metric_requests += 1
+            self.transports.add(transport)
+
+    def latest_metrics(self, service: str | None = None) -> dict:
+        """name -> the last Metric message received (cumulative: the last one is the total)."""
+        with self.lock:
+            out = {}
+            for res, m in self.metrics:
+                if service is None or res.get("service.name") == service:
+                    out[m.name] = m
+            return out
+
+
+class Receiver:
+    def __init__(self, mode: str = "ok", delay: float = 0.0, grpc_port: int | None = None,
+                 http_port: int | None = None):
+        self.mode, self.delay = mode, delay
+        self.got = Received()
+        self.grpc_port = grpc_port or free_port()
+        self.http_port = http_port or free_port(avoid=(self.grpc_port,))
+
+    # -- gRPC ----------------------------------------------------------------------------------
+    def _start_grpc(self) -> None:
+        import grpc
+        from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2 as ms
+        from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2_grpc as msg
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as ts
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as tsg
+
+        rx = self
+
+        class Traces(tsg.TraceServiceServicer):
+            def Export(self, request, context):
+                if rx.mode == "refuse":
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "refusing (test)")
+                if rx.mode == "slow":
+                    time.sleep(rx.delay)
+                rx.got.add_traces(request, "grpc")
+                return ts.ExportTraceServiceResponse()
+
+        class Metrics(msg.MetricsServiceServicer):
+            def Export(self, request, context):
+                if rx.mode == "refuse":
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "refusing (test)")
+                if rx.mode == "slow":
+                    time.sleep(rx.delay)
+                rx.got.add_metrics(request, "grpc")
+                return ms.ExportMetricsServiceResponse()
+
+        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
+                                options=[("grpc.max_receive_message_length", 256 << 20)])
+        tsg.add_TraceServiceServicer_to_server(Traces(), self.grpc)
+        msg.add_MetricsServiceServicer_to_server(Metrics(), self.grpc)
+        self.grpc.add_insecure_port(f"127.0.0.1:{self.grpc_port}")
+        self.grpc.start()
+
+    # -- HTTP/protobuf -------------------------------------------------------------------------
+    def _start_http(self) -> None:
+        from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2 as ms
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as ts
+
+        rx = self
+
+        class H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.headers.get("Content-Type") != "application/x-protobuf":
+                    return self._reply(415, b"")
+                if rx.mode == "refuse":
+                    return self._reply(503, b"")
+                if rx.mode == "slow":
+                    time.sleep(rx.delay)
+                if self.path == "/v1/traces":
+                    rx.got.add_traces(ts.ExportTraceServiceRequest.FromString(body), "http")
+                    return self._reply(200, ts.ExportTraceServiceResponse().SerializeToString())
+                if self.path == "/v1/metrics":
+                    rx.got.add_metrics(ms.ExportMetricsServiceRequest.FromString(body), "http")
+                    return self._reply(200, ms.ExportMetricsServiceResponse().SerializeToString())
+                self._reply(404, b"")
+
+            def _reply(self, code, data):
+                self.send_response(code)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", self.http_port), H)
+        self.http.daemon_threads = True
+        self.http_thread = threading.Thread(target=self.http.serve_forever, daemon=True)
+        self.http_thread.start()
+
+    def start(self) -> "Receiver":
+        self._start_grpc()
+        self._start_http()
+        return self
+
+    @property
+    def grpc_url(self) -> str:
+        return f"http://127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def url(self, protocol: str) -> str:
+        return self.grpc_url if protocol == "grpc" else self.http_url
+
+    def stop(self) -> None:
+        self.grpc.stop(0)
+        self.http.shutdown()
+        self.http.server_close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *a):
+        self.stop()

@@ -1,0 +1,366 @@
+"""OTLP export against a real receiver built from opentelemetry-proto (tests/otlp_receiver.py):
+the wire encoder, `kvtrace correlate` / `kvtrace export` on a recorded dataset, the live sink
+inside the pipeline, and an endpoint that is down, slow or refusing.  No root.
+"""
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtrace.correlate import synthetic
+from kvtrace.dataset import schema
+from kvtrace.dataset.writer import DatasetWriter
+from kvtrace.otlp import encode
+from kvtrace.otlp.exporter import Exporter
+from kvtrace.otlp.model import Span
+from kvtrace.otlp.sink import OtlpSink
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from otlp_receiver import Receiver, free_port  # noqa: E402
+
+from .test_correlate import A, TP, run_tables, _slices  # noqa: E402
+
+OFFSET = 1_700_000_000_000_000_000
+
+
+def run_row(run, **kw):
+    r = {"run": run, "status": "complete", "schema_version": schema.SCHEMA_VERSION, "kvtrace_version": "t",
+         "kernel": "k", "start_ns": 1, "stop_ns": 2, "clock_offset_ns": OFFSET, "start_wall": "w", "pids": [100],
+         "command": "", "probes_attached": ["usermark"], "probes_skipped": "{}", "events": "{}", "lost_events": "{}",
+         "dropped_events": 0, "sidecars": "[]", "sinks": "[]"}
+    r.update(kw)
+    return r
+
+
+def write_dataset(root, tables, run="run1", host="hostA"):
+    w = DatasetWriter(root, run, host)
+    for name, t in tables.items():
+        w.add(name, t)
+    w.flush(run_row(run))
+    w.compact()
+    return root
+
+
+# ---------------------------------------------------------------------------------------------
+# The encoder writes what opentelemetry-proto reads
+
+values = st.one_of(st.integers(-(2**63), 2**63 - 1), st.booleans(), st.text(max_size=40),
+                   st.floats(allow_nan=False, allow_infinity=False))
+attrs = st.lists(st.tuples(st.text(min_size=1, max_size=30), values), max_size=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(name=st.text(min_size=1, max_size=40), start=st.integers(0, 2**63), dur=st.integers(0, 10**12), a=attrs,
+       evs=st.lists(st.tuples(st.integers(0, 2**63), st.text(max_size=20), attrs), max_size=4),
+       parent=st.booleans(), state=st.text(max_size=20), dropped=st.integers(0, 1000), error=st.booleans())
+def test_encoder_round_trips_through_opentelemetry_proto(name, start, dur, a, evs, parent, state, dropped, error):
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from otlp_receiver import _attrs
+
+    s = Span(b"\x01" * 16, b"\x02" * 8, b"\x03" * 8 if parent else b"", name, start, start + dur, tuple(a), tuple(evs),
+             state, dropped, error)
+    req = ExportTraceServiceRequest.FromString(encode.trace_request((("service.name", "kvtrace"),), [encode.span(s)]))
+    (rs,) = req.resource_spans
+    assert _attrs(rs.resource.attributes) == {"service.name": "kvtrace"}
+    assert rs.scope_spans[0].scope.name == "kvtrace"
+    (p,) = rs.scope_spans[0].spans
+    assert (p.trace_id, p.span_id, p.parent_span_id, p.name) == (s.trace_id, s.span_id, s.parent_id, name)
+    assert (p.start_time_unix_nano, p.end_time_unix_nano, p.kind, p.trace_state) == (start, start + dur, 1, state)
+    assert _attrs(p.attributes) == dict(a)
+    assert [(e.time_unix_nano, e.name, _attrs(e.attributes)) for e in p.events] == [(t, n, dict(x)) for t, n, x in evs]
+    assert (p.dropped_events_count, p.status.code) == (dropped, 2 if error else 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# A recorded dataset: correlate, export, compare with its Parquet tables
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    with Receiver() as rx:
+        yield rx
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ds")
+    write_dataset(root, run_tables())
+    return root
+
+
+def test_correlate_command_adds_derived_tables_read_by_duckdb_and_pandas(dataset, kvtrace_cli):
+    import duckdb
+    import pandas as pd
+
+    r = kvtrace_cli("correlate", str(dataset), "--json")
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads(r.stdout)
+    assert (row["requests"], row["chunks"], row["steps"]) == (3, 6, 6)
+    for name in ("requests", "chunks", "steps", "attributions"):
+        files = list((dataset / name).glob("host=hostA/date=*/run1.parquet"))
+        assert len(files) == 1, name
+        meta = json.loads(pq.read_schema(files[0]).metadata[schema.META_KEY])
+        assert meta["schema_version"] == schema.SCHEMA_VERSION and meta["table"] == name
+        want = ["run"] + [f.name for f in schema.TABLES[name]]
+        df = pd.read_parquet(dataset / name)  # hive partitions become columns
+        assert list(df.columns) == want + ["host", "date"], name
+        con = duckdb.connect()
+        got = con.execute(f"select * from read_parquet('{dataset}/{name}/*/*/*.parquet', hive_partitioning=true)").df()
+        assert list(got.columns)[: len(want)] == want and set(got.columns[len(want):]) == {"host", "date"}
+        assert len(got) == len(df) == row[name]
+    con = duckdb.connect()
+    a = con.execute(f"select admissions, preemptions, chunks, cached_tokens, load_bytes, trace_id from "
+                    f"read_parquet('{dataset}/requests/*/*/*.parquet') where request = '{A}'").fetchone()
+    assert a == (2, 1, 3, 64, 131072, TP.split("-")[1])
+    # the chunk table joins to the raw chunk records
+    n = con.execute(f"select count(*) from read_parquet('{dataset}/chunks/*/*/*.parquet') c join "
+                    f"read_parquet('{dataset}/chunk/*/*/*.parquet') r on c.request = r.request and c.step = r.step "
+                    f"and c.token_start = r.start").fetchone()[0]
+    assert n == 6
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_export_sends_the_dataset_as_one_trace_per_request(dataset, receiver, kvtrace_cli, protocol):
+    kvtrace_cli("correlate", str(dataset), check=True)
+    receiver.got.spans.clear()
+    r = kvtrace_cli("export", str(dataset), "--otlp", receiver.url(protocol), "--otlp-protocol", protocol, "--json")
+    assert r.returncode == 0, r.stderr
+    (sent,) = json.loads(r.stdout)
+    spans = list(receiver.got.spans)
+    assert protocol in receiver.got.transports
+    req = {x["request"]: x for x in pq.read_table(dataset / "requests").to_pylist()}
+    chunks = pq.read_table(dataset / "chunks").to_pylist()
+    by_name: dict[str, list] = {}
+    for s in spans:
+        by_name.setdefault(s.name, []).append(s)
+    # 3 requests, 6 chunks, A's named load with its file reads and its block read (aggregated)
+    assert {k: len(v) for k, v in by_name.items()} == {"kvtrace.request": 3, "kvtrace.prefill_chunk": 6,
+                                                       "kvtrace.kv_load": 1, "kvtrace.file_io": 1, "kvtrace.block_io": 1}
+    assert sent["spans"] == len(spans) == sent["sent"] == 12 and sent["dropped"] == 0
+    ids = {s.span_id: s for s in spans}
+    assert len(ids) == len(spans)
+    # one trace per request, the request span its root (or a child of the caller's span)
+    roots = {s.trace_id: s for s in by_name["kvtrace.request"]}
+    assert len(roots) == 3 and {s.trace_id for s in spans} == set(roots)
+    for s in spans:
+        root = roots[s.trace_id]
+        if s is not root:
+            parent = ids[s.parent_id]
+            assert parent.trace_id == s.trace_id
+            assert parent.start <= s.start and s.end <= parent.end, (s.name, parent.name)
+    a = next(s for s in by_name["kvtrace.request"] if s.attrs["kvtrace.request.id"] == A)
+    assert (a.trace_id, a.parent_id, a.trace_state) == (TP.split("-")[1], TP.split("-")[2], "k=v")
+    assert [e[1] for e in a.events] == ["kvtrace.admit", "kvtrace.preempted", "kvtrace.admit"]
+    assert a.resource["host.name"] == "hostA" and a.resource["kvtrace.run"] == "run1"
+    # attribute values equal the Parquet rows; times are monotonic + the run's clock offset
+    for s in by_name["kvtrace.prefill_chunk"]:
+        c = next(c for c in chunks if c["span_id"] == s.span_id)
+        assert (s.trace_id, s.parent_id) == (c["trace_id"], c["parent_span_id"])
+        assert (s.start, s.end) == (c["t_start_ns"] + OFFSET, c["t_end_ns"] + OFFSET)
+        for col in ("token_start", "token_end", "tokens", "cached_tokens", "hit_blocks", "evicted_blocks", "load_bytes",
+                    "storage_wait_ns", "compute_ns", "bottleneck", "chunk_index:index", "attempt"):
+            col, _, attr = col.partition(":")
+            assert s.attrs[f"kvtrace.chunk.{attr or col}"] == c[col], col
+    for s in by_name["kvtrace.request"]:
+        row = req[s.attrs["kvtrace.request.id"]]
+        assert (s.trace_id, s.span_id, s.start, s.end) == (row["trace_id"], row["span_id"], row["start_ns"] + OFFSET,
+                                                         row["end_ns"] + OFFSET)
+        for col in ("cached_tokens", "admissions", "preemptions", "chunks", "evicted_blocks", "load_bytes"):
+            assert s.attrs[f"kvtrace.request.{col}"] == row[col], col
+    c0 = next(s for s in by_name["kvtrace.prefill_chunk"] if s.attrs["kvtrace.request.id"] == A and s.attrs["kvtrace.step"] == 1)
+    assert [e[1] for e in c0.events] == ["kvtrace.evict", "kvtrace.evict"]
+    assert c0.events[0][2]["kvtrace.block.hash"] == "ffff000000000001"
+    load = by_name["kvtrace.kv_load"][0]
+    assert load.parent_id == c0.span_id and load.attrs["kvtrace.transfer.bytes"] == 131072
+    fio = by_name["kvtrace.file_io"][0]
+    assert fio.parent_id == load.span_id and (fio.attrs["kvtrace.io.count"], fio.attrs["kvtrace.io.bytes"],
+                                              fio.attrs["kvtrace.io.files"]) == (2, 131072, 2)
+    bio = by_name["kvtrace.block_io"][0]
+    assert (bio.attrs["system.device"], bio.attrs["disk.io.direction"], bio.attrs["kvtrace.io.aggregated"]) == \
+        ("nvme0n1", "read", True)
+    # metrics: cumulative totals of the run
+    m = receiver.got.latest_metrics("kvtrace")
+    hits = {tuple(sorted((kv.key, kv.value.string_value) for kv in p.attributes)): p.as_int
+            for p in m["kvtrace.prefix_cache.hits"].sum.data_points}
+    assert hits == {(("kvtrace.cache.source", "local"),): 32 + 448, (("kvtrace.cache.source", "external"),): 32}
+    assert m["kvtrace.prefix_cache.queries"].sum.data_points[0].as_int == 456 + 64 + 200 + 460
+    assert m["kvtrace.prefix_cache.hit_rate"].gauge.data_points[0].as_double == pytest.approx(512 / 1180)
+    assert m["kvtrace.kv.evictions"].sum.data_points[0].as_int == 4
+    assert m["kvtrace.kv.preemptions"].sum.data_points[0].as_int == 1
+    (h,) = [p for p in m["kvtrace.kv.load.duration"].histogram.data_points
+            if p.attributes[0].value.string_value == "kvtrace-file"]
+    assert (h.count, h.sum) == (1, pytest.approx(100e-6))
+
+
+def test_live_sink_sends_the_same_spans_as_export(dataset, receiver, kvtrace_cli):
+    kvtrace_cli("correlate", str(dataset), check=True)
+    receiver.got.spans.clear()
+    r = kvtrace_cli("export", str(dataset), "--otlp", receiver.grpc_url)
+    assert r.returncode == 0, r.stderr
+    exported = sorted(s.key() for s in receiver.got.spans)
+    receiver.got.spans.clear()
+    sink = OtlpSink(receiver.grpc_url, "grpc", "run1", "hostA", OFFSET, lateness_s=0)
+    for now, batch in _slices(run_tables(), 5):
+        sink.live.feed(batch)
+        sink._advance(min(now, 2**63))
+    sink.finish()
+    assert sink.exporter.stats.dropped() == 0
+    assert sorted(s.key() for s in receiver.got.spans) == exported
+
+
+# ---------------------------------------------------------------------------------------------
+# The endpoint down, slow or refusing: nothing blocks, memory stays bounded, drops are counted
+
+
+def spans(n):
+    tables = synthetic.workload(n, seed=5)
+    from kvtrace.correlate.derive import correlate_tables
+    from kvtrace.otlp.sink import spans_of_pass
+
+    res, accs, _, traces = correlate_tables(tables, "r")
+    return [encode.span(s) for s in spans_of_pass(res, accs, lambda r: traces[r], "r", 0)]
+
+
+@pytest.fixture(scope="module")
+def many():
+    return spans(800)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_endpoint_down(many, protocol):
+    port = free_port()  # nothing listens there
+    e = Exporter(f"http://127.0.0.1:{port}", protocol, (), max_queue=500, timeout=0.5, batch_size=100, delay=0.05)
+    t0 = time.monotonic()
+    for i in range(0, len(many), 50):
+        e.submit(many[i:i + 50])
+        assert len(e.q) <= 500
+    assert time.monotonic() - t0 < 0.5, "submit blocked"
+    stats = e.close(timeout=1.0)
+    assert stats.sent == 0 and stats.dropped() == len(many) == stats.submitted
+    assert stats.dropped_queue_full > 0 and stats.batch_failures > 0 and stats.last_error
+    assert "dropped" in e.describe()
+
+
+def test_endpoint_refusing_and_slow(many):
+    with Receiver(mode="refuse") as rx:
+        e = Exporter(rx.grpc_url, "grpc", (), max_queue=100_000, timeout=1.0, batch_size=200, delay=0.05, max_backoff=0.2)
+        e.submit(many[:1000])
+        stats = e.close(timeout=3.0)
+        assert stats.sent == 0 and stats.failed + stats.dropped_at_shutdown == 1000 and "UNAVAILABLE" in stats.last_error
+        assert rx.got.spans == []
+    with Receiver(mode="slow", delay=1.5) as rx:
+        e = Exporter(rx.http_url, "http", (), max_queue=300, timeout=0.3, batch_size=100, delay=0.05)
+        t0 = time.monotonic()
+        e.submit(many[:2000])
+        assert time.monotonic() - t0 < 0.5
+        stats = e.close(timeout=2.0)
+        assert stats.sent == 0 and stats.dropped_queue_full == 1700 and stats.dropped() == 2000
+        assert "timed out" in stats.last_error or "TimeoutError" in stats.last_error
+
+
+class _Source:
+    """Stands in for the ring buffer: hands out pre-recorded tables, one slice per step."""
+
+    def __init__(self, batches):
+        self.batches = list(batches)
+        self.dropped = 0
+
+    def drain(self):
+        return {}
+
+    def lost(self):
+        return {}
+
+
+class _Replay:
+    name = "replay"
+
+    def __init__(self, batches):
+        self.batches = list(batches)
+
+    def drain(self):
+        return self.batches.pop(0) if self.batches else {}
+
+    def stats(self):
+        return {}
+
+
+def test_capture_goes_on_when_the_endpoint_is_down(tmp_path):
+    """The pipeline with an OTLP sink to a dead endpoint: every row still reaches Parquet, the
+    derived tables are written at the clean stop, the sink's memory stays bounded and the run row
+    reports the drops."""
+    from types import SimpleNamespace
+
+    from kvtrace.correlate.derive import correlate_tables
+    from kvtrace.dataset.reader import Dataset
+    from kvtrace.pipeline import Pipeline
+
+    tables = synthetic.workload(1500, seed=11)
+    batches = [b for _, b in _slices(tables, 30)]
+    writer = DatasetWriter(tmp_path / "ds", "runX", "h")
+    plan = SimpleNamespace(attached=["usermark"], skipped={})
+    pipe = Pipeline(_Source([]), plan, writer, [])
+    pipe.add_sidecar(_Replay(batches))
+    sink = OtlpSink(f"http://127.0.0.1:{free_port()}", "grpc", "runX", "h", 0, lateness_s=0,
+                    exporter_kw={"max_queue": 256, "timeout": 0.2, "delay": 0.05},
+                    correlator_kw={"max_rows": 5000})
+    pipe.add_sink(sink)
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.monotonic()
+    for _ in batches:
+        pipe.step()
+    elapsed = time.monotonic() - t0
+    pipe.finish()
+    assert len(sink.exporter.q) == 0 and sink.live.buffered() <= 5000
+    ds = Dataset.open(tmp_path / "ds")
+    for name, t in tables.items():
+        assert ds.table(name).num_rows == t.num_rows, name
+    run = ds.runs()[0]
+    (s,) = json.loads(run["sinks"])
+    assert s["sent"] == 0 and s["dropped"] == s["submitted"] == s["spans_built"] > 1000
+    _, _, req, _ = correlate_tables(tables, "runX")
+    assert ds.table("requests").num_rows == req.num_rows == 1500 and not pipe.notes
+    assert elapsed < 30, elapsed
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < 400_000  # KiB
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+
+
+def test_another_schema_version_is_named(tmp_path, kvtrace_cli):
+    root = tmp_path / "ds"
+    w = DatasetWriter(root, "r1", "h")
+    w.add("chunk", run_tables()["chunk"])
+    w.flush(run_row("r1"))
+    path = next((root / "runs").rglob("*.parquet"))
+    t = pq.read_table(path)
+    meta = json.loads(t.schema.metadata[schema.META_KEY])
+    meta["schema_version"] = 99
+    pq.write_table(t.replace_schema_metadata({schema.META_KEY: json.dumps(meta).encode()}), path)
+    for args in (("correlate", str(root)), ("export", str(root), "--otlp", "http://127.0.0.1:4499")):
+        r = kvtrace_cli(*args)
+        assert r.returncode == 6, r.stderr
+        assert r.stderr.count("\n") == 1 and "schema version 99" in r.stderr and f"version {schema.SCHEMA_VERSION}" in r.stderr
+
+
+def test_bad_urls_and_a_dead_endpoint_are_one_line(dataset, kvtrace_cli):
+    r = kvtrace_cli("export", str(dataset), "--otlp", "ftp://x")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not an http(s)://host:port URL" in r.stderr
+    r = kvtrace_cli("export", str(dataset), "--otlp", "http://127.0.0.1:4400", "--otlp-protocol", "zmq")
+    assert r.returncode == 2
+    r = kvtrace_cli("export", str(dataset), "--otlp", f"http://127.0.0.1:{free_port()}", "--timeout", "0.3")
+    assert r.returncode == 7, r.stderr
+    assert r.stderr.splitlines()[-1].startswith("kvtrace: no span reached")
+    r = kvtrace_cli("export", str(dataset / "nope"), "--otlp", "http://127.0.0.1:4400")
+    assert r.returncode == 6 and "no dataset at" in r.stderr
