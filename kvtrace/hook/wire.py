@@ -11,12 +11,53 @@ from __future__ import annotations
 import struct
 
 MAGIC = b"KVT1"
+_HDR = struct.Struct("<HH")
+_U16 = struct.Struct("<H")
 MAX_FRAME = 4000  # bytes per marker write, magic included (the BPF side copies at most 4080)
 
 # type id -> (record name, [(field, code)]).  Append new types; never renumber.
 RECORDS: dict[int, tuple[str, list[tuple[str, str]]]] = {
     1: ("hook_start", [("t_ns", "Q"), ("role", "s"), ("vllm_version", "s"), ("hook_version", "s")]),
     2: ("hook_stats", [("t_ns", "Q"), ("emitted", "Q"), ("dropped", "Q"), ("errors", "Q"), ("last_error", "s")]),
+    # EngineCore (kvtrace.hook.vllm_hook; docs/hook.md).  `step` is vLLM's Scheduler.current_step.
+    # One per engine step: schedule() start, schedule() return, update_from_output() end.
+    3: ("step", [("step", "Q"), ("t_start_ns", "Q"), ("t_sched_end_ns", "Q"), ("t_end_ns", "Q"),
+                 ("num_reqs", "I"), ("total_tokens", "I"), ("prefill_reqs", "I"), ("prefill_tokens", "I"),
+                 ("decode_reqs", "I"), ("decode_tokens", "I"), ("new_reqs", "I"), ("resumed_reqs", "I"),
+                 ("preempted", "I"), ("evicted", "I"), ("alloc_failures", "I"), ("running", "I"),
+                 ("waiting", "I"), ("free_blocks", "I"), ("finished", "I")]),
+    # One per prefill chunk: tokens [start, start+length) of the request computed in this step.
+    # attempt = preemptions before this admission; chunk_index restarts at 0 on each admission
+    # (-1: the agent attached after the request's first chunk).  prefill_len = tokens this
+    # admission must compute up to (the prompt; prompt + generated tokens after a preemption).
+    4: ("chunk", [("step", "Q"), ("request", "s"), ("attempt", "H"), ("chunk_index", "i"),
+                  ("start", "I"), ("length", "I"), ("prompt_len", "I"), ("prefill_len", "I"),
+                  ("last", "B"), ("resumed", "B")]),
+    # One per admission (first, and re-admission after preemption).  cached_* are the prefix-cache
+    # hit (local) and the connector's hit (external); start = first token computed.
+    # last_hit_hash is the chained hash of the last hit block (it names the whole hit prefix), in
+    # the 64-bit form of vLLM's KV events; 0 when nothing hit.
+    5: ("admit", [("step", "Q"), ("request", "s"), ("attempt", "H"), ("prompt_len", "I"),
+                  ("prefill_len", "I"), ("cached_local", "I"), ("cached_external", "I"), ("start", "I"),
+                  ("hit_blocks", "I"), ("last_hit_hash", "Q"), ("resumed", "B")]),
+    # One per block hash dropped from the prefix cache when its block is reused (BlockRemoved in
+    # vLLM's KV events: same 64-bit hash, group and medium); request = whose allocation reused it.
+    6: ("evict", [("step", "Q"), ("t_ns", "Q"), ("block_hash", "Q"), ("group", "I"), ("block_id", "I"),
+                  ("medium", "s"), ("request", "s")]),
+    # One per preemption: computed tokens dropped (their blocks stay cached until reused) and the
+    # request whose allocation failed (empty outside the scheduler's allocation loop).
+    7: ("preempt", [("step", "Q"), ("t_ns", "Q"), ("request", "s"), ("computed_before", "I"),
+                    ("num_tokens", "I"), ("num_preemptions", "H"), ("for_request", "s")]),
+    # KV connector transfers, in the process doing the copy.  Per worker step from the connector API
+    # (source "connector:<class>"; request empty, blocks/nbytes 0): kv_load spans start_load_kv entry
+    # to the later of its return and the last wait_for_layer_load return; kv_store spans
+    # wait_for_save.  Or one per kvtrace.hook.api.kv_transfer() call (source given by the caller).
+    8: ("kv_load", [("t_start_ns", "Q"), ("t_end_ns", "Q"), ("t_issue_end_ns", "Q"), ("seq", "Q"),
+                    ("layer_waits", "I"), ("wait_ns", "Q"), ("blocks", "I"), ("nbytes", "Q"),
+                    ("request", "s"), ("source", "s")]),
+    9: ("kv_store", [("t_start_ns", "Q"), ("t_end_ns", "Q"), ("t_issue_end_ns", "Q"), ("seq", "Q"),
+                     ("layer_waits", "I"), ("wait_ns", "Q"), ("blocks", "I"), ("nbytes", "Q"),
+                     ("request", "s"), ("source", "s")]),
 }
 
 
@@ -26,17 +67,36 @@ class Codec:
     def __init__(self, records=RECORDS):
         self.records = records
         self.by_name = {name: (tid, fields) for tid, (name, fields) in records.items()}
+        self._plans = {name: (tid, self._plan(fields)) for tid, (name, fields) in records.items()}
+
+    @staticmethod
+    def _plan(fields) -> list[tuple[int, int, struct.Struct | None]]:
+        """(first value, value count, Struct) per run of fixed-size fields; Struct None is a string."""
+        plan, i = [], 0
+        while i < len(fields):
+            if fields[i][1] == "s":
+                plan.append((i, 1, None))
+                i += 1
+                continue
+            j = i
+            while j < len(fields) and fields[j][1] != "s":
+                j += 1
+            plan.append((i, j - i, struct.Struct("<" + "".join(code for _, code in fields[i:j]))))
+            i = j
+        return plan
 
     def encode(self, name: str, *values) -> bytes:
-        tid, fields = self.by_name[name]
-        out = bytearray()
-        for (field, code), v in zip(fields, values):
-            if code == "s":
-                b = str(v).encode("utf-8", "replace")[:1024]
-                out += struct.pack("<H", len(b)) + b
+        tid, plan = self._plans[name]
+        parts = []
+        for first, count, st in plan:
+            if st is None:
+                b = str(values[first]).encode("utf-8", "replace")[:1024]
+                parts.append(_U16.pack(len(b)))
+                parts.append(b)
             else:
-                out += struct.pack("<" + code, v)
-        return struct.pack("<HH", tid, len(out)) + bytes(out)
+                parts.append(st.pack(*values[first:first + count]))
+        body = b"".join(parts)
+        return _HDR.pack(tid, len(body)) + body
 
     def decode_frame(self, frame: bytes) -> list[tuple[str, dict]]:
         """Records of one frame; an unknown type is skipped by its length, a short one ends the frame."""
