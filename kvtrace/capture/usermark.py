@@ -48,5 +48,18 @@ def records(raw: list[bytes]) -> dict[str, list[dict]]:
     return out
 
 
+# Column types from the wire codes: inference would make u64 values >= 2**63 (block hashes) overflow.
+ARROW_TYPES = {"B": pa.uint8(), "H": pa.uint16(), "I": pa.uint32(), "Q": pa.uint64(), "b": pa.int8(),
+               "h": pa.int16(), "i": pa.int32(), "q": pa.int64(), "d": pa.float64(), "s": pa.string()}
+
+
+def schema_for(name: str) -> pa.Schema | None:
+    spec = CODEC.by_name.get(name)
+    if spec is None or any(code not in ARROW_TYPES for _, code in spec[1]):
+        return None
+    fields = [(f, ARROW_TYPES[code]) for f, code in spec[1]]
+    return pa.schema(fields + [("mark_ns", pa.uint64()), ("pid", pa.uint32()), ("tid", pa.uint32())])
+
+
 def decode(raw: list[bytes], ctx: DecodeContext) -> dict[str, pa.Table]:
-    return {name: pa.Table.from_pylist(rows) for name, rows in records(raw).items()}
+    return {name: pa.Table.from_pylist(rows, schema=schema_for(name)) for name, rows in records(raw).items()}
