@@ -1,0 +1,816 @@
+"""The hook inside vLLM: class-level wrappers that turn scheduler, KV-cache and KV-connector
+activity into kvtrace records (kvtrace.hook.wire), sent through one Transport per process.
+
+Runs in vLLM's own interpreter: standard library plus what vLLM itself imports.  Loaded by the
+``vllm.general_plugins`` entry point (kvtrace.hook.plugin) or imported from a path by a later
+live-injection step, which only has to call ``install()``.
+
+EngineCore (role "engine"):
+  Scheduler.schedule / update_from_output   step span, chunk and admit records, flush
+  Scheduler._preempt_request                 preempt
+  KVCacheManager.allocate_slots              hit sizes at admission; which request allocates
+  BlockPool._maybe_evict_cached_block        evict (one per BlockRemoved hash)
+Worker (role "worker"), on the class of each KV connector vLLM creates:
+  bind_connector_metadata / start_load_kv / wait_for_layer_load / wait_for_save   kv_load, kv_store
+
+Rules: a wrapper never raises into vLLM (errors are counted and reported in hook_stats), never
+blocks (records go to a bounded queue; full means counted drops), and while no agent is attached
+costs one Transport.refresh() call (a time comparison) per step and one flag test per wrapped
+call.  Prompt token ids are never read into a record: prompts appear only as block hashes.
+"""
+from __future__ import annotations
+
+import collections
+import inspect
+import logging
+import multiprocessing
+import os
+import sys
+import threading
+import time
+
+try:
+    from kvtrace.hook.transport import Transport
+except ImportError:  # imported from a path where kvtrace is not installed: use the sibling files
+    _root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, _root)
+    try:
+        from kvtrace.hook.transport import Transport
+    finally:
+        sys.path.remove(_root)
+
+HOOK_VERSION = "1"
+TESTED_VLLM = ("0.32.",)
+MAX_QUEUE = 20000          # records waiting for the step-end flush
+MAX_TRACKED = 65536        # per-request state entries (chunk counters, admission info)
+STATS_EVERY_NS = 1_000_000_000
+API_FLUSH_AFTER_NS = 200_000_000  # kv_transfer() flushes itself when no step end did for this long
+M64 = (1 << 64) - 1
+
+log = logging.getLogger("vllm.kvtrace_hook")
+
+# The transport: one per process, shared by every wrapper and by kvtrace.hook.api.
+T = Transport()
+_Q: collections.deque = collections.deque()
+_LOCK = threading.Lock()
+
+# Module-global patch registry: (class, attribute) -> (had_own_attribute, original, wrapper).
+_REGISTRY: dict[tuple[type, str], tuple[bool, object, object]] = {}
+_STATUS: dict = {"installed": False, "roles": [], "patched": [], "reason": "not installed"}
+_MARK = "__kvtrace_original__"
+_ON = False  # engine records wanted (set per step from T.enabled)
+
+
+class _Engine:
+    """EngineCore state, reset whenever the agent goes away."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.on = False
+        self.step = 0
+        self.cur_req = ""
+        self.last_alloc = ""                  # the request of the latest allocate_slots (preemptions)
+        self.reqs: dict[str, list] = {}      # request id -> [next chunk index, prefill_len, attempt]
+        self.alloc: dict[str, tuple] = {}    # request id -> (local, external, hit blocks, last hash)
+        self.steps: dict[int, tuple] = {}    # id(SchedulerOutput) -> step summary
+        self.evicted = 0
+        self.alloc_failures = 0
+        self.broken = ""
+        self.seen_check = 0
+        self.agent_pid = ""
+
+
+class _Worker:
+    def __init__(self):
+        self.active = False
+        self.on = False
+        self.seen_check = 0
+        self.agent_pid = ""
+        self.seq = 0
+        self.depth = 0
+        self.source = ""
+        self.begin(0)
+
+    def begin(self, now):
+        self.t_bind = now
+        self.load_t0 = self.load_t1 = 0
+        self.waits = self.wait_ns = self.last_wait_end = 0
+
+
+S = _Engine()
+W = _Worker()
+_last = {"flush": 0, "stats": 0}
+
+
+# ---------------------------------------------------------------------------------------------
+# Emission
+
+
+def _enqueue(rec: tuple) -> None:
+    if len(_Q) < MAX_QUEUE:
+        _Q.append(rec)
+    else:
+        T.dropped += 1
+
+
+def _flush(now: int) -> None:
+    """Encode queued records into the transport and send them (step end; any thread)."""
+    with _LOCK:
+        if not T.enabled:
+            _Q.clear()
+            return
+        popleft, emit = _Q.popleft, T.emit
+        while _Q:
+            emit(*popleft())
+        if now - _last["stats"] >= STATS_EVERY_NS:
+            _last["stats"] = now
+            _emit_stats(now)
+        T.flush()
+        _last["flush"] = now
+
+
+def _emit_stats(now: int) -> None:
+    T.emit("hook_stats", now, T.emitted, T.dropped, T.errors, T.last_error)
+
+
+def _hook_start(role: str) -> None:
+    now = time.monotonic_ns()
+    _enqueue(("hook_start", now, role, _vllm_version(), HOOK_VERSION))
+    _last["stats"] = 0  # a hook_stats with the first flush
+
+
+def _agent_pid() -> str:
+    try:
+        with open(T.flag_path) as f:
+            return f.read(64).split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _new_agent(state) -> bool:
+    """True (once) when the transport re-checked the flag and it names another agent than before:
+    a new agent needs its own hook_start.  Runs at most once per Transport re-check (1 s)."""
+    if T.next_check == state.seen_check:
+        return False
+    state.seen_check = T.next_check
+    pid = _agent_pid()
+    if pid == state.agent_pid:
+        return False
+    state.agent_pid = pid
+    return True
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(getattr(vllm, "__version__", "?"))
+    except Exception:
+        return "?"
+
+
+def record_transfer(direction, request_id, blocks, nbytes, t_start_ns, t_end_ns, source="") -> None:
+    """kvtrace.hook.api.kv_transfer lands here (any thread)."""
+    with _LOCK:
+        enabled = T.refresh()
+    if not enabled:
+        return
+    try:
+        d = str(direction).lower()
+        if d in ("load", "read", "in", "recv", "get"):
+            name = "kv_load"
+        elif d in ("store", "save", "write", "out", "send", "put"):
+            name = "kv_store"
+        else:
+            raise ValueError(f"kv_transfer direction {direction!r} is not load or store")
+        nblocks = blocks if isinstance(blocks, int) else len(blocks)
+        t0, t1 = int(t_start_ns), int(t_end_ns)
+        _enqueue((name, t0, t1, t1, 0, 0, 0, nblocks, int(nbytes), str(request_id or ""), str(source or "api")))
+        now = time.monotonic_ns()
+        if now - _last["flush"] >= API_FLUSH_AFTER_NS:
+            _flush(now)
+    except Exception as e:
+        T.error(e)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hashes: the 64-bit int vLLM publishes in KV events (maybe_convert_block_hash(get_block_hash(k)))
+
+
+def _hash64(key: bytes) -> int:
+    """BlockHashWithGroupId (hash bytes + 4-byte big-endian group) -> the KV-event int."""
+    return int.from_bytes(key[:-4], "big") & M64
+
+
+def _group(key: bytes) -> int:
+    return int.from_bytes(key[-4:], "big")
+
+
+# ---------------------------------------------------------------------------------------------
+# EngineCore wrappers
+
+
+def _engine_on(sched) -> None:
+    global _ON
+    S.reset()
+    S.on = True
+    _ON = True
+    for attr in ("requests", "current_step", "running", "waiting", "kv_cache_manager"):
+        if not hasattr(sched, attr):
+            S.broken = f"Scheduler has no attribute {attr!r}"
+    pool = getattr(getattr(sched, "kv_cache_manager", None), "block_pool", None)
+    if not S.broken and not hasattr(pool, "cached_block_hashes_by_block"):
+        S.broken = "KVCacheManager.block_pool has no cached_block_hashes_by_block"
+    if S.broken:
+        _ON = False
+        log.warning("kvtrace hook: records off in this process: %s", S.broken)
+    _new_agent(S)
+    _hook_start("engine")
+
+
+def _engine_off() -> None:
+    global _ON
+    _ON = False
+    S.reset()
+    with _LOCK:
+        _Q.clear()
+
+
+def _wrap_schedule(orig):
+    def schedule(self, *args, **kwargs):
+        if not T.refresh():
+            if S.on:
+                _engine_off()
+            return orig(self, *args, **kwargs)
+        if not S.on:
+            _engine_on(self)
+        elif _new_agent(S):
+            _hook_start("engine")
+        if S.broken:
+            return orig(self, *args, **kwargs)
+        t0 = time.monotonic_ns()
+        S.step = self.current_step + 1
+        S.cur_req = S.last_alloc = ""
+        S.evicted = S.alloc_failures = 0
+        out = orig(self, *args, **kwargs)
+        S.last_alloc = ""
+        try:
+            _after_schedule(self, out, t0, time.monotonic_ns())
+        except Exception as e:
+            T.error(e)
+        return out
+
+    return schedule
+
+
+def _after_schedule(sched, so, t0: int, t1: int) -> None:
+    step = S.step = sched.current_step
+    requests = sched.requests
+    new_ids = {r.req_id for r in so.scheduled_new_reqs}
+    resumed_ids = so.scheduled_cached_reqs.resumed_req_ids
+    tracked, alloc = S.reqs, S.alloc
+    prefill_reqs = prefill_tokens = n_new = n_resumed = 0
+    for rid, n in so.num_scheduled_tokens.items():
+        req = requests.get(rid)
+        if req is None:
+            continue
+        end = req.num_computed_tokens
+        start = end - n
+        st = tracked.get(rid)
+        if rid in new_ids or rid in resumed_ids:
+            attempt = min(req.num_preemptions, 0xFFFF)
+            resumed = 1 if (rid in resumed_ids or attempt > 0) else 0
+            n_resumed += resumed
+            n_new += 1 - resumed
+            prefill_len = req.num_tokens
+            info = alloc.pop(rid, None) or (start, 0, 0, 0)
+            _enqueue(("admit", step, rid, attempt, req.num_prompt_tokens, prefill_len,
+                      info[0], info[1], start, info[2], info[3], resumed))
+            if rid in new_ids and attempt == 0:
+                _arrive(step, rid, req, t1)
+            st = tracked[rid] = [0, prefill_len, attempt]
+        elif st is None:  # attached after this request's first chunk
+            if len(tracked) >= MAX_TRACKED:
+                tracked.clear()
+            st = tracked[rid] = [-1, req.num_prompt_tokens, min(req.num_preemptions, 0xFFFF)]
+        prefill_len = st[1]
+        if start < prefill_len:
+            idx = st[0]
+            if idx >= 0:
+                st[0] = idx + 1
+            _enqueue(("chunk", step, rid, st[2], idx, start, n, req.num_prompt_tokens, prefill_len,
+                      1 if end >= prefill_len else 0, 1 if st[2] > 0 else 0))
+            prefill_reqs += 1
+            prefill_tokens += n
+    for rid in so.finished_req_ids:
+        _enqueue(("finish", step, t0, rid))
+        tracked.pop(rid, None)
+        alloc.pop(rid, None)
+    if len(alloc) >= MAX_TRACKED:
+        alloc.clear()
+    num_reqs = len(so.num_scheduled_tokens)
+    total = so.total_num_scheduled_tokens
+    try:
+        free_blocks = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    except Exception:
+        free_blocks = 0
+    if len(S.steps) >= 16:  # update_from_output never came for old steps
+        S.steps.clear()
+    S.steps[id(so)] = (step, t0, t1, num_reqs, total, prefill_reqs, prefill_tokens,
+                       num_reqs - prefill_reqs, total - prefill_tokens, n_new, n_resumed,
+                       len(so.preempted_req_ids), S.evicted, S.alloc_failures, len(sched.running),
+                       len(sched.waiting), free_blocks, len(so.finished_req_ids))
+
+
+def _arrive(step: int, rid: str, req, now: int) -> None:
+    """arrive record: arrival on CLOCK_MONOTONIC, and the request's W3C trace context if any."""
+    wall = getattr(req, "arrival_time", None)
+    t = now - max(int((time.time() - wall) * 1e9), 0) if wall else 0
+    headers = getattr(req, "trace_headers", None) or {}
+    _enqueue(("arrive", step, t, rid, str(headers.get("traceparent", "") or "")[:128],
+              str(headers.get("tracestate", "") or "")[:512]))
+
+
+def _wrap_update_from_output(orig):
+    def update_from_output(self, scheduler_output, *args, **kwargs):
+        info = S.steps.pop(id(scheduler_output), None) if S.steps else None
+        out = orig(self, scheduler_output, *args, **kwargs)
+        if info is not None or _Q:
+            try:
+                now = time.monotonic_ns()
+                if info is not None:
+                    _enqueue(("step", info[0], info[1], info[2], now) + info[3:])
+                _flush(now)
+            except Exception as e:
+                T.error(e)
+        return out
+
+    return update_from_output
+
+
+def _wrap_preempt(orig):
+    def _preempt_request(self, request, *args, **kwargs):
+        if not _ON:
+            return orig(self, request, *args, **kwargs)
+        rid = before = ntok = None
+        try:
+            rid, before, ntok = request.request_id, request.num_computed_tokens, request.num_tokens
+        except Exception as e:
+            T.error(e)
+        out = orig(self, request, *args, **kwargs)
+        if rid is not None:
+            try:
+                S.reqs.pop(rid, None)
+                _enqueue(("preempt", S.step, time.monotonic_ns(), rid, before, ntok,
+                          min(request.num_preemptions, 0xFFFF), S.last_alloc))
+            except Exception as e:
+                T.error(e)
+        return out
+
+    return _preempt_request
+
+
+_ALLOC_SIG = None  # inspect.Signature of the original allocate_slots (for positional calls)
+
+
+def _wrap_allocate_slots(orig):
+    def allocate_slots(self, request, num_new_tokens, *args, **kwargs):
+        if not _ON:
+            return orig(self, request, num_new_tokens, *args, **kwargs)
+        prev = S.cur_req
+        try:
+            S.cur_req = S.last_alloc = request.request_id
+            if args or "new_computed_blocks" in kwargs:
+                _note_admission_alloc(self, request, num_new_tokens, args, kwargs)
+        except Exception as e:
+            T.error(e)
+        try:
+            out = orig(self, request, num_new_tokens, *args, **kwargs)
+        finally:
+            S.cur_req = prev
+        if out is None:
+            S.alloc_failures += 1
+        return out
+
+    return allocate_slots
+
+
+def _note_admission_alloc(mgr, request, num_new_tokens, args, kwargs) -> None:
+    if args:
+        kw = _ALLOC_SIG.bind(mgr, request, num_new_tokens, *args, **kwargs).arguments
+    else:
+        kw = kwargs
+    local = int(kw.get("num_new_computed_tokens", 0) or 0)
+    external = int(kw.get("num_external_computed_tokens", 0) or 0)
+    blocks = kw.get("new_computed_blocks")
+    hit, last = 0, 0
+    groups = getattr(blocks, "blocks", None) if blocks is not None else None
+    if groups:
+        g0 = groups[0]
+        hit = len(g0)
+        if hit:
+            key = g0[-1].block_hash
+            last = _hash64(key) if key is not None else 0
+    S.alloc[request.request_id] = (local, external, hit, last)
+
+
+def _wrap_maybe_evict(orig):
+    def _maybe_evict_cached_block(self, block):
+        if not _ON:
+            return orig(self, block)
+        try:
+            key = block.block_hash
+            bid = block.block_id
+            extra = self.cached_block_hashes_by_block.get(bid) if key is not None else None
+        except Exception as e:
+            T.error(e)
+            key = None
+        if key is None:  # not cached: nothing to evict
+            return orig(self, block)
+        evicted = orig(self, block)
+        if evicted:
+            try:
+                _note_evict(self, bid, key, extra)
+            except Exception as e:
+                T.error(e)
+        return evicted
+
+    return _maybe_evict_cached_block
+
+
+def _note_evict(pool, bid: int, key: bytes, extra) -> None:
+    now = time.monotonic_ns()
+    medium = str(getattr(pool, "medium", "") or "")
+    for k in (key, *extra) if extra else (key,):
+        S.evicted += 1
+        _enqueue(("evict", S.step, now, _hash64(k), _group(k), bid, medium, S.cur_req))
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker wrappers (KV connector API, on the concrete connector class)
+
+
+def _wrap_bind(orig):
+    def bind_connector_metadata(self, *args, **kwargs):
+        try:
+            if T.refresh():
+                now = time.monotonic_ns()
+                if _new_agent(W) or not W.on:
+                    W.on = True
+                    _hook_start("worker")
+                W.active = True
+                W.seq += 1
+                W.source = "connector:" + type(self).__name__
+                W.begin(now)
+            else:
+                if W.on:
+                    W.on = False
+                    with _LOCK:
+                        _Q.clear()
+                W.active = False
+        except Exception as e:
+            T.error(e)
+        return orig(self, *args, **kwargs)
+
+    return bind_connector_metadata
+
+
+def _wrap_start_load(orig):
+    def start_load_kv(self, *args, **kwargs):
+        if not W.active or W.depth:
+            return orig(self, *args, **kwargs)
+        t0 = time.monotonic_ns()
+        W.depth += 1
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            W.depth -= 1
+            if not W.load_t0:
+                W.load_t0 = t0
+            W.load_t1 = time.monotonic_ns()
+
+    return start_load_kv
+
+
+def _wrap_layer_wait(orig):
+    def wait_for_layer_load(self, *args, **kwargs):
+        if not W.active or W.depth:
+            return orig(self, *args, **kwargs)
+        t0 = time.monotonic_ns()
+        W.depth += 1
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            W.depth -= 1
+            t1 = time.monotonic_ns()
+            W.waits += 1
+            W.wait_ns += t1 - t0
+            W.last_wait_end = t1
+
+    return wait_for_layer_load
+
+
+def _wrap_wait_save(orig):
+    def wait_for_save(self, *args, **kwargs):
+        if not W.active or W.depth:
+            return orig(self, *args, **kwargs)
+        t0 = time.monotonic_ns()
+        W.depth += 1
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            W.depth -= 1
+            try:
+                t1 = time.monotonic_ns()
+                _worker_step_end(t0, t1)
+            except Exception as e:
+                T.error(e)
+
+    return wait_for_save
+
+
+def _worker_step_end(t_save0: int, t_save1: int) -> None:
+    W.active = False
+    if W.load_t0:
+        end = max(W.load_t1, W.last_wait_end)
+        _enqueue(("kv_load", W.load_t0, end, W.load_t1, W.seq, W.waits, W.wait_ns, 0, 0, "", W.source))
+    elif W.waits:
+        _enqueue(("kv_load", W.t_bind, W.last_wait_end, W.t_bind, W.seq, W.waits, W.wait_ns, 0, 0, "", W.source))
+    _enqueue(("kv_store", t_save0, t_save1, t_save1, W.seq, 0, 0, 0, 0, "", W.source))
+    _flush(t_save1)
+
+
+def _wrap_create_connector(orig_func):
+    """KVConnectorFactory.create_connector (a classmethod): patch the class of what it creates."""
+
+    def create_connector(cls, *args, **kwargs):
+        conn = orig_func(cls, *args, **kwargs)
+        try:
+            _patch_connector_class(type(conn))
+        except Exception as e:
+            T.error(e)
+            log.warning("kvtrace hook: KV connector %s not traced: %s", type(conn).__name__, e)
+        return conn
+
+    return create_connector
+
+
+CONNECTOR_METHODS = {
+    "bind_connector_metadata": (["self", "connector_metadata"], _wrap_bind),
+    "start_load_kv": (["self", "forward_context"], _wrap_start_load),
+    "wait_for_layer_load": (["self", "layer_name"], _wrap_layer_wait),
+    "wait_for_save": (["self"], _wrap_wait_save),
+}
+
+
+def _patch_connector_class(cls: type) -> None:
+    bad = []
+    for name, (want, _) in CONNECTOR_METHODS.items():
+        why = _signature_differs(getattr(cls, name, None), want, strict=False)
+        if why:
+            bad.append(f"{cls.__name__}.{name} {why}")
+    if bad:
+        log.warning("kvtrace hook: KV connector %s not traced: %s", cls.__name__, "; ".join(bad))
+        return
+    for name, (_, wrap) in CONNECTOR_METHODS.items():
+        _patch(cls, name, wrap)
+
+
+# ---------------------------------------------------------------------------------------------
+# Install / uninstall
+
+
+def _signature_differs(func, want: list[str], strict: bool = True) -> str | None:
+    """None when the leading parameter names are ``want`` (strict: and no other required one)."""
+    if func is None:
+        return "is missing"
+    try:
+        params = list(inspect.signature(inspect.unwrap(func)).parameters.values())
+    except (TypeError, ValueError) as e:
+        return f"has no readable signature ({e})"
+    names = [p.name for p in params]
+    if names[:len(want)] != want:
+        return f"takes ({', '.join(names)}), expected ({', '.join(want)}, ...)"
+    if strict:
+        for p in params[len(want):]:
+            if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+                return f"has an extra required parameter {p.name!r}"
+    return None
+
+
+def _engine_targets():
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    return [
+        (Scheduler, "schedule", ["self", "throttle_prefills"], _wrap_schedule),
+        (Scheduler, "update_from_output", ["self", "scheduler_output", "model_runner_output"], _wrap_update_from_output),
+        (Scheduler, "_preempt_request", ["self", "request", "timestamp", "drop_stale_output"], _wrap_preempt),
+        (KVCacheManager, "allocate_slots", ["self", "request", "num_new_tokens", "num_new_computed_tokens",
+                                            "new_computed_blocks"], _wrap_allocate_slots),
+        (BlockPool, "_maybe_evict_cached_block", ["self", "block"], _wrap_maybe_evict),
+    ]
+
+
+def _engine_data_checks() -> list[str]:
+    """Fields the wrappers read off vLLM's own data classes."""
+    import dataclasses
+
+    from vllm.v1.core.sched import output
+
+    bad = []
+    want = {
+        "SchedulerOutput": ["scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens",
+                            "total_num_scheduled_tokens", "preempted_req_ids", "finished_req_ids"],
+        "CachedRequestData": ["resumed_req_ids"],
+        "NewRequestData": ["req_id"],
+    }
+    for cls_name, fields in want.items():
+        cls = getattr(output, cls_name, None)
+        have = {f.name for f in dataclasses.fields(cls)} if cls is not None and dataclasses.is_dataclass(cls) else set()
+        for f in fields:
+            if f not in have:
+                bad.append(f"{cls_name}.{f} is missing")
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    params = inspect.signature(KVCacheManager.allocate_slots).parameters
+    if "num_external_computed_tokens" not in params:
+        bad.append("KVCacheManager.allocate_slots has no num_external_computed_tokens")
+    return bad
+
+
+def _worker_targets():
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    bad = []
+    for name, (want, _) in CONNECTOR_METHODS.items():
+        why = _signature_differs(getattr(KVConnectorBase_V1, name, None), want, strict=False)
+        if why:
+            bad.append(f"KVConnectorBase_V1.{name} {why}")
+    raw = KVConnectorFactory.__dict__.get("create_connector")
+    if not isinstance(raw, classmethod):
+        bad.append("KVConnectorFactory.create_connector is not a classmethod")
+    else:
+        why = _signature_differs(raw.__func__, ["cls", "config", "role"], strict=False)
+        if why:
+            bad.append(f"KVConnectorFactory.create_connector {why}")
+    return KVConnectorFactory, bad
+
+
+def _patch(cls: type, attr: str, wrap) -> None:
+    """Wrap cls.attr once; a wrapper left by another copy of this module is replaced."""
+    key = (cls, attr)
+    if key in _REGISTRY:
+        return
+    current = cls.__dict__.get(attr)
+    had_own = attr in cls.__dict__
+    if current is not None and hasattr(_unbox(current), _MARK):  # wrapped by another module copy
+        original = getattr(_unbox(current), _MARK)
+        had_own = getattr(_unbox(current), "__kvtrace_had_own__", True)
+    else:
+        original = current if had_own else None
+    base = original if original is not None else getattr(cls, attr)
+    if isinstance(base, classmethod):
+        wrapper = classmethod(wrap(base.__func__))
+        inner = wrapper.__func__
+    else:
+        wrapper = inner = wrap(base)
+    setattr(inner, _MARK, original if had_own else base)
+    inner.__kvtrace_had_own__ = had_own
+    inner.__name__ = attr
+    inner.__qualname__ = f"{cls.__name__}.{attr}"
+    inner.__wrapped__ = base.__func__ if isinstance(base, classmethod) else base
+    setattr(cls, attr, wrapper)
+    _REGISTRY[key] = (had_own, original, wrapper)
+    _STATUS["patched"].append(f"{cls.__module__}.{cls.__qualname__}.{attr}")
+
+
+def _unbox(obj):
+    return obj.__func__ if isinstance(obj, (classmethod, staticmethod)) else obj
+
+
+def detect_roles() -> list[str]:
+    """Roles for this process from its multiprocessing name (vLLM titles processes later)."""
+    env = os.environ.get("KVTRACE_HOOK_ROLES")
+    if env:
+        return [r for r in env.replace(",", " ").split() if r in ("engine", "worker")]
+    name = multiprocessing.current_process().name
+    if name.startswith("EngineCore"):
+        # with the uni executor (GPU, TP=1) the worker runs inside EngineCore
+        return ["engine", "worker"]
+    if name.startswith(("VllmWorker", "Worker")):
+        return ["worker"]
+    return []
+
+
+def install(roles: list[str] | None = None) -> bool:
+    """Patch vLLM for these roles ("engine", "worker"; default: by process).  Idempotent.
+
+    Returns True when something is patched.  Never raises: a vLLM whose version or method
+    signatures differ from what the hook reads leaves everything untouched and logs one
+    message saying what differs.
+    """
+    global _ALLOC_SIG
+    try:
+        roles = detect_roles() if roles is None else list(roles)
+        if not roles:
+            _STATUS["reason"] = f"no role in process {multiprocessing.current_process().name!r}"
+            return False
+        if _STATUS["installed"] and set(roles) <= set(_STATUS["roles"]):
+            return True
+        version = _vllm_version()
+        if not version.startswith(TESTED_VLLM) and os.environ.get("KVTRACE_HOOK_ANY_VLLM") != "1":
+            return _inert(f"vLLM {version} is not a tested version ({', '.join(v + 'x' for v in TESTED_VLLM)}); "
+                          "set KVTRACE_HOOK_ANY_VLLM=1 to patch anyway when the signatures match")
+        plan, bad = [], []
+        if "engine" in roles:
+            for cls, attr, want, wrap in _engine_targets():
+                why = _signature_differs(cls.__dict__.get(attr), want)
+                if why:
+                    bad.append(f"{cls.__name__}.{attr} {why}")
+                plan.append((cls, attr, wrap))
+            bad += _engine_data_checks()
+        if "worker" in roles:
+            factory, wbad = _worker_targets()
+            bad += wbad
+            plan.append((factory, "create_connector", _wrap_create_connector))
+        if bad:
+            return _inert("; ".join(bad))
+        if "engine" in roles:
+            from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+            _ALLOC_SIG = inspect.signature(_unbox(KVCacheManager.__dict__["allocate_slots"]))
+        for cls, attr, wrap in plan:
+            _patch(cls, attr, wrap)
+        if "worker" in roles:
+            _patch_live_connector()
+        try:
+            from kvtrace.hook import api
+
+            api._sink = record_transfer
+        except Exception:
+            pass
+        _STATUS.update(installed=True, roles=sorted(set(_STATUS["roles"]) | set(roles)), reason="")
+        log.info("kvtrace hook %s installed (%s) on vLLM %s: %d methods wrapped; records flow while a kvtrace agent is attached",
+                 HOOK_VERSION, "+".join(roles), version, len(_REGISTRY))
+        return True
+    except Exception as e:  # never break vLLM start-up
+        uninstall()
+        return _inert(f"install failed: {type(e).__name__}: {e}")
+
+
+def _inert(reason: str) -> bool:
+    _STATUS.update(installed=False, reason=reason)
+    log.warning("kvtrace hook inactive (nothing patched): %s", reason)
+    return False
+
+
+def _patch_live_connector() -> None:
+    """Live injection: a connector created before install() gets its class patched now."""
+    try:
+        from vllm.distributed.kv_transfer import kv_transfer_state as state
+
+        conn = getattr(state, "_KV_CONNECTOR_AGENT", None)
+        if conn is not None:
+            _patch_connector_class(type(conn))
+    except Exception as e:
+        T.error(e)
+
+
+def uninstall() -> None:
+    """Restore every wrapped attribute (also those left by another copy of this module)."""
+    global _ON
+    _ON = False
+    for (cls, attr), (had_own, original, wrapper) in list(_REGISTRY.items()):
+        try:
+            if cls.__dict__.get(attr) is wrapper:
+                if had_own:
+                    setattr(cls, attr, original)
+                else:
+                    delattr(cls, attr)
+        except Exception as e:
+            T.error(e)
+    _REGISTRY.clear()
+    try:
+        from kvtrace.hook import api
+
+        if api._sink is record_transfer:
+            api._sink = None
+    except Exception:
+        pass
+    try:
+        _flush(time.monotonic_ns())
+    except Exception:
+        pass
+    S.reset()
+    W.active = W.on = False
+    _STATUS.update(installed=False, roles=[], patched=[], reason="uninstalled")
+
+
+def status() -> dict:
+    return {**_STATUS, "patched": list(_STATUS["patched"]), "emitted": T.emitted,
+            "dropped": T.dropped, "errors": T.errors, "last_error": T.last_error}
