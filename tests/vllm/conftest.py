@@ -1,0 +1,136 @@
+"""A real vLLM CPU server with the kvtrace hook installed (module-scoped), and a subscriber to
+its ZMQ KV-event stream that keeps every batch with its arrival time."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from kvtrace.vllm.server import VllmServer, vllm_python
+
+BLOCK_SIZE = 32
+SERVER_ARGS = [
+    "--block-size", str(BLOCK_SIZE), "--enable-prefix-caching", "--max-num-batched-tokens", "256",
+    "--kv-cache-memory-bytes", "8000000", "--enable-prompt-tokens-details",
+    # VllmServer sets VLLM_CPU_KVCACHE_SPACE=1 (GiB), which overrides --kv-cache-memory-bytes:
+    # pin the block count instead (122 = the null block + 121 usable, 3,872 tokens).
+    "--num-gpu-blocks-override", "122", "--max-model-len", "2048",
+]
+
+
+def vllm_skip_reason() -> str | None:
+    py = vllm_python()
+    if not Path(py).exists():
+        return f"needs the vLLM venv ({py}; set KVTRACE_VLLM_PYTHON)"
+    probe = ("from importlib.metadata import entry_points;"
+             "import sys; sys.exit(0 if any(e.name == 'kvtrace' for e in entry_points(group='vllm.general_plugins')) else 3)")
+    r = subprocess.run([py, "-c", probe], capture_output=True, timeout=60)
+    if r.returncode == 3:
+        return f"kvtrace is not installed in the vLLM venv: {Path(py).parent}/pip install --no-deps -e <repo>"
+    if r.returncode:
+        return f"the vLLM venv does not run: {r.stderr.decode(errors='replace')[-300:]}"
+    return None
+
+
+def free_port(lo: int = 8100, hi: int = 8199, avoid: tuple[int, ...] = ()) -> int:
+    """A free 127.0.0.1 port in [lo, hi] (the range these tests may use)."""
+    for port in range(lo, hi + 1):
+        if port in avoid:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {lo}-{hi}")
+
+
+@dataclass
+class KvEventSink:
+    """SUB socket bound on 127.0.0.1 (vLLM's publisher connects to a non-wildcard endpoint)."""
+
+    port: int
+    batches: list = field(default_factory=list)  # (recv monotonic ns, seq, [ts, events, dp_rank])
+
+    def start(self) -> "KvEventSink":
+        import msgspec
+        import zmq
+
+        self._ctx = zmq.Context()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.setsockopt(zmq.RCVHWM, 0)
+        self._sub.bind(f"tcp://127.0.0.1:{self.port}")
+        self._decode = msgspec.msgpack.decode
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._sub.poll(100):
+                continue
+            parts = self._sub.recv_multipart()
+            if len(parts) == 3:
+                self.batches.append((time.monotonic_ns(), int.from_bytes(parts[1], "big"), self._decode(parts[2])))
+
+    def between(self, t0_ns: int, t1_ns: int) -> list:
+        return [b for b in list(self.batches) if t0_ns <= b[0] <= t1_ns]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sub.close(0)
+        self._ctx.term()
+
+
+@dataclass
+class HookedServer:
+    server: VllmServer
+    events: KvEventSink
+
+    def post(self, prompt: list[int], request_id: str, max_tokens: int = 4, **extra) -> dict:
+        import urllib.request
+
+        body = {"model": self.server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "return_token_ids": True, **extra}
+        req = urllib.request.Request(f"{self.server.url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", "X-Request-Id": request_id})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def hooked_server(tmp_path_factory):
+    """vLLM with the kvtrace plugin (nothing to enable: it loads from the entry point)."""
+    reason = vllm_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    pytest.importorskip("zmq", reason="needs pyzmq in kvtrace's venv to read vLLM's KV events")
+    pytest.importorskip("msgspec", reason="needs msgspec in kvtrace's venv to decode vLLM's KV events")
+    zport = free_port()
+    events = KvEventSink(zport).start()
+    kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{zport}"}
+    server = VllmServer(
+        args=[*SERVER_ARGS, "--kv-events-config", json.dumps(kv_events)],
+        port=free_port(avoid=(zport,)),
+        workdir=tmp_path_factory.mktemp("vllm"),
+    )
+    try:
+        server.start()
+    except Exception:
+        events.close()
+        raise
+    try:
+        yield HookedServer(server, events)
+    finally:
+        server.stop()
+        events.close()
