@@ -1,0 +1,199 @@
+/* tcp.bpf.c: health of the TCP connections on chosen ports (NVMe/TCP: 4420), whoever owns
+ * them (nvme-tcp's sockets are kernel sockets: there is no process to filter on).
+ *
+ *   tcp:tcp_retransmit_skb     every retransmitted segment
+ *   sock:inet_sock_set_state   every state change (connect, close, reset)
+ *   tcp:tcp_probe              srtt, cwnd, ssthresh, windows at received segments; one event
+ *                              per connection per probe interval, carrying how many probes
+ *                              it stands for
+ *
+ * The ports are a map filled by user space (kvtrace/capture/tcp.py).  Field layouts come from
+ * the format files; fields that are not on every kernel are behind KV_TCP_* flags.
+ */
+
+#include "kvtrace.h"
+
+#define KV_TCP_RETRANS 1
+#define KV_TCP_STATE   2
+#define KV_TCP_PROBE   3
+
+struct kv_tcp_event {
+    struct kv_hdr h;       /* tgid/tid: the context the event ran in (often softirq) */
+    u64 skaddr;            /* the socket (connection id), 0 when the kernel does not give it */
+    u64 sock_cookie;
+    u32 srtt_us;
+    u32 snd_cwnd;
+    u32 ssthresh;
+    u32 snd_wnd;
+    u32 rcv_wnd;
+    u32 data_len;
+    u32 probes;            /* tcp_probe hits this event stands for */
+    u16 sport;
+    u16 dport;
+    u16 family;            /* AF_INET 2, AF_INET6 10 */
+    u8  type;              /* KV_TCP_* */
+    u8  state;             /* retransmit: the socket's state; state change: the old state */
+    u8  newstate;
+    u8  pad[3];
+    u8  saddr[16];         /* IPv4 in the first 4 bytes */
+    u8  daddr[16];
+};
+
+struct kv_tcp_cfg {
+    u64 probe_interval_ns;
+};
+
+struct kv_tcp_last {
+    u64 ts;
+    u32 probes;
+    u32 pad;
+};
+
+BPF_HASH(tcp_ports, u16, u8, 64);
+BPF_ARRAY(tcp_cfg, struct kv_tcp_cfg, 1);
+BPF_TABLE("lru_hash", u64, struct kv_tcp_last, tcp_last, 16384);
+
+static __always_inline int kv_tcp_port(u16 sport, u16 dport)
+{
+    return tcp_ports.lookup(&sport) != NULL || tcp_ports.lookup(&dport) != NULL;
+}
+
+static __always_inline struct kv_tcp_event *kv_tcp_new(u8 type)
+{
+    struct kv_tcp_event *e = events.ringbuf_reserve(sizeof(struct kv_tcp_event));
+    if (!e) {
+        kv_count_lost(KV_KIND_TCP);
+        return NULL;
+    }
+    u64 id = bpf_get_current_pid_tgid();
+    kv_fill_hdr(&e->h, KV_KIND_TCP, sizeof(*e), id >> 32, (u32)id);
+    __builtin_memset((char *)e + sizeof(struct kv_hdr), 0, sizeof(*e) - sizeof(struct kv_hdr));
+    e->type = type;
+    return e;
+}
+
+#ifdef KV_TCP_HAVE_RETRANS
+TRACEPOINT_PROBE(tcp, tcp_retransmit_skb)
+{
+    u16 sport = args->sport, dport = args->dport;
+    if (!kv_tcp_port(sport, dport))
+        return 0;
+    struct kv_tcp_event *e = kv_tcp_new(KV_TCP_RETRANS);
+    if (!e)
+        return 0;
+    e->skaddr = (u64)args->skaddr;
+    e->state = args->state;
+    e->sport = sport;
+    e->dport = dport;
+#ifdef KV_TCP_RETRANS_FAMILY
+    e->family = args->family;
+#else
+    e->family = 2;
+#endif
+    if (e->family == 10) {
+        bpf_probe_read_kernel(e->saddr, 16, (void *)args->saddr_v6);
+        bpf_probe_read_kernel(e->daddr, 16, (void *)args->daddr_v6);
+    } else {
+        bpf_probe_read_kernel(e->saddr, 4, (void *)args->saddr);
+        bpf_probe_read_kernel(e->daddr, 4, (void *)args->daddr);
+    }
+    events.ringbuf_submit(e, 0);
+    return 0;
+}
+#endif
+
+#ifdef KV_TCP_HAVE_STATE
+TRACEPOINT_PROBE(sock, inet_sock_set_state)
+{
+    if (args->protocol != 6)   /* IPPROTO_TCP */
+        return 0;
+    u16 sport = args->sport, dport = args->dport;
+    if (!kv_tcp_port(sport, dport))
+        return 0;
+    struct kv_tcp_event *e = kv_tcp_new(KV_TCP_STATE);
+    if (!e)
+        return 0;
+    e->skaddr = (u64)args->skaddr;
+    e->state = args->oldstate;
+    e->newstate = args->newstate;
+    e->sport = sport;
+    e->dport = dport;
+    e->family = args->family;
+    if (e->family == 10) {
+        bpf_probe_read_kernel(e->saddr, 16, (void *)args->saddr_v6);
+        bpf_probe_read_kernel(e->daddr, 16, (void *)args->daddr_v6);
+    } else {
+        bpf_probe_read_kernel(e->saddr, 4, (void *)args->saddr);
+        bpf_probe_read_kernel(e->daddr, 4, (void *)args->daddr);
+    }
+    events.ringbuf_submit(e, 0);
+    return 0;
+}
+#endif
+
+#ifdef KV_TCP_HAVE_PROBE
+TRACEPOINT_PROBE(tcp, tcp_probe)
+{
+    u16 sport = args->sport, dport = args->dport;
+    if (!kv_tcp_port(sport, dport))
+        return 0;
+    u64 key = 0;
+#if defined(KV_TCP_PROBE_SKADDR)
+    key = (u64)args->skaddr;
+#elif defined(KV_TCP_PROBE_COOKIE)
+    key = args->sock_cookie;
+#else
+    key = ((u64)sport << 16) | dport;
+#endif
+    u64 now = bpf_ktime_get_ns();
+    u32 zero = 0;
+    struct kv_tcp_cfg *cfg = tcp_cfg.lookup(&zero);
+    u64 every = cfg && cfg->probe_interval_ns ? cfg->probe_interval_ns : 10000000ULL;
+    struct kv_tcp_last *last = tcp_last.lookup(&key);
+    u32 probes = 1;
+    if (last) {
+        if (now - last->ts < every) {
+            last->probes++;
+            return 0;
+        }
+        probes = last->probes + 1;
+    }
+    struct kv_tcp_last nl = {};
+    nl.ts = now;
+    tcp_last.update(&key, &nl);
+    struct kv_tcp_event *e = kv_tcp_new(KV_TCP_PROBE);
+    if (!e)
+        return 0;
+    e->probes = probes;
+#ifdef KV_TCP_PROBE_SKADDR
+    e->skaddr = (u64)args->skaddr;
+#endif
+#ifdef KV_TCP_PROBE_COOKIE
+    e->sock_cookie = args->sock_cookie;
+#endif
+    e->srtt_us = args->srtt;
+    e->snd_cwnd = args->snd_cwnd;
+    e->ssthresh = args->ssthresh;
+    e->snd_wnd = args->snd_wnd;
+    e->rcv_wnd = args->rcv_wnd;
+    e->data_len = args->data_len;
+    e->sport = sport;
+    e->dport = dport;
+    /* the addresses are a sockaddr_in / sockaddr_in6: family first, then port, then address */
+    u8 sa[28] = {};
+    bpf_probe_read_kernel(sa, sizeof(sa), (void *)args->saddr);
+    u16 family = sa[0] | (sa[1] << 8);
+    e->family = family;
+    if (family == 10) {
+        __builtin_memcpy(e->saddr, &sa[8], 16);
+        bpf_probe_read_kernel(sa, sizeof(sa), (void *)args->daddr);
+        __builtin_memcpy(e->daddr, &sa[8], 16);
+    } else {
+        __builtin_memcpy(e->saddr, &sa[4], 4);
+        bpf_probe_read_kernel(sa, sizeof(sa), (void *)args->daddr);
+        __builtin_memcpy(e->daddr, &sa[4], 4);
+    }
+    events.ringbuf_submit(e, 0);
+    return 0;
+}
+#endif
