@@ -126,7 +126,8 @@ struct kv_nvme_qstat {
     u64 unmatched;        /* completions whose setup was not seen */
     u64 sq_samples;
     u64 sq_occ_sum;
-    u64 sq_occ_max;
+    u32 sq_occ_max;       /* the largest occupancy seen in flush interval sq_epoch */
+    u32 sq_epoch;
 };
 
 struct kv_nvme_nskey {
@@ -146,6 +147,8 @@ struct kv_nvme_cfg {
     u64 slow_ns;          /* completions at least this slow are always emitted (0: never forced) */
     u32 budget;           /* sampled mode: events per CPU per 100 ms window */
     u32 mode;             /* KV_NVME_MODE_* */
+    u32 epoch;            /* flush interval number (user space bumps it after each read) */
+    u32 pad;
 };
 
 struct kv_nvme_rate {
@@ -434,8 +437,15 @@ TRACEPOINT_PROBE(nvme, nvme_sq)
     if (q) {
         __sync_fetch_and_add(&q->sq_samples, 1);
         __sync_fetch_and_add(&q->sq_occ_sum, occ);
-        if (occ > q->sq_occ_max)
-            q->sq_occ_max = occ;   /* racy max: good enough for a peak */
+        u32 zero = 0;
+        struct kv_nvme_cfg *cfg = nvme_cfg.lookup(&zero);
+        u32 epoch = cfg ? cfg->epoch : 0;
+        if (q->sq_epoch != epoch) {   /* a new flush interval: the peak starts again */
+            q->sq_epoch = epoch;
+            q->sq_occ_max = occ;
+        } else if (occ > q->sq_occ_max) {
+            q->sq_occ_max = occ;       /* racy max: good enough for a peak */
+        }
     }
     return 0;
 }

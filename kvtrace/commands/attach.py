@@ -10,6 +10,7 @@ from kvtrace.agentflag import AgentFlag
 from kvtrace.capture import BY_NAME, program
 from kvtrace.dataset.writer import DatasetWriter
 from kvtrace.errors import OutputError, PrivilegeError, TargetError, UsageError
+from kvtrace.fabric import session as fabric
 from kvtrace.host import privileges, tracefs
 from kvtrace.status import StatusLine
 
@@ -127,6 +128,7 @@ def start_vllm_streams(server, kv_events: str | None, kv_replay: str | None, met
 @click.option("--otlp", "otlp", default=None, metavar="URL", help="Also stream spans and metrics over OTLP while attached (http://host:4317 gRPC, http://host:4318 HTTP).")
 @click.option("--otlp-protocol", type=click.Choice(["grpc", "http"]), default="grpc", show_default=True, help="OTLP transport for --otlp.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@fabric.options
 def command(pids, out, duration, probe_names, no_writes, ringbuf_pages, flush_interval, quiet, raw_out, port, yes,
             kv_events, kv_replay, metrics_url, metrics_interval, otlp, otlp_protocol, command) -> int:
     """Attach kernel probes to processes and record their I/O.
@@ -187,6 +189,7 @@ def command(pids, out, duration, probe_names, no_writes, ringbuf_pages, flush_in
                 click.echo(f"kvtrace: probe {name} skipped: {why}", err=True)
         for sidecar in start_vllm_streams(server, kv_events, kv_replay, metrics_url, metrics_interval):
             pipeline.add_sidecar(sidecar)
+        fabric.start(pipeline, source)  # NVMe topology, NIC counters, nvme/tcp probe settings
         click.echo(f"kvtrace: attached {', '.join(plan.attached)} to pid {', '.join(map(str, pids))}; writing {out}", err=True)
         if gated:
             gated.release()

@@ -1,0 +1,298 @@
+"""What `kvtrace attach` does for the storage fabric, in one place: its options, the probes'
+run-time settings (BPF maps), and the sidecars (NVMe topology watcher, kernel-map reader,
+NIC counter poller).
+
+attach.py only applies ``options`` to its command and calls ``start(pipeline, source)``.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import time
+from dataclasses import dataclass, field
+
+import click
+import pyarrow as pa
+
+from kvtrace.capture import tcp as tcp_probe
+from kvtrace.dataset import schema
+from kvtrace.fabric import topology
+
+META = "kvtrace.fabric"
+NVME_MODES = {"sampled": 0, "all": 1, "none": 2}
+
+
+@dataclass
+class Options:
+    nvme_events: str = "sampled"
+    nvme_event_rate: int = 20000
+    nvme_slow_us: int = 10000
+    nvme_tcp_ports: tuple = tcp_probe.DEFAULT_PORTS
+    tcp_probe_ms: float = 10.0
+    nics: tuple = ()
+    nic_interval: float = 0.1
+    nic_link_interval: float = 1.0
+    nic_netns: str | None = None
+    no_nic: bool = False
+    topology_interval: float = 2.0
+    root: str = "/"
+
+
+_OPTS = [
+    click.option("--nvme-events", type=click.Choice(sorted(NVME_MODES)), default="sampled", show_default=True,
+                 help="Per-command NVMe events: sampled under load, all, or none (errors, retries and slow "
+                      "commands are always recorded; per-queue counts and latency histograms are always complete)."),
+    click.option("--nvme-event-rate", type=int, default=20000, show_default=True, metavar="N",
+                 help="Sampled mode: about N NVMe command events per second at most, over all CPUs."),
+    click.option("--nvme-slow-us", type=int, default=10000, show_default=True, metavar="US",
+                 help="NVMe commands at least this slow are always recorded (0: none forced)."),
+    click.option("--nvme-tcp-port", "nvme_tcp_ports", type=int, multiple=True, metavar="PORT",
+                 help="TCP port of NVMe/TCP connections to watch (retransmits, RTT, state). Repeatable; default 4420."),
+    click.option("--tcp-probe-ms", type=float, default=10.0, show_default=True, metavar="MS",
+                 help="At most one RTT/cwnd sample per connection per this many ms."),
+    click.option("--nic", "nics", multiple=True, metavar="IFACE",
+                 help="Poll ethtool statistics and link stats64 of this interface. Repeatable; default: the "
+                      "netdevs of RDMA devices and the interfaces routing to NVMe-oF targets."),
+    click.option("--nic-interval", type=float, default=0.1, show_default=True, metavar="S",
+                 help="Seconds between polls of RDMA counters and ethtool statistics."),
+    click.option("--nic-link-interval", type=float, default=1.0, show_default=True, metavar="S",
+                 help="Seconds between polls of link stats64 (netlink)."),
+    click.option("--nic-netns", default=None, metavar="NAME",
+                 help="Read the --nic interfaces in this network namespace (ip netns name or path)."),
+    click.option("--no-nic", is_flag=True, help="Do not poll NIC or RDMA counters."),
+]
+NAMES = ("nvme_events", "nvme_event_rate", "nvme_slow_us", "nvme_tcp_ports", "tcp_probe_ms", "nics",
+         "nic_interval", "nic_link_interval", "nic_netns", "no_nic")
+
+
+def options(f):
+    """Add the fabric options to a click command; their values go to the context, not to ``f``."""
+
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        got = {k: kwargs.pop(k) for k in NAMES if k in kwargs}
+        if not got.get("nvme_tcp_ports"):
+            got.pop("nvme_tcp_ports", None)
+        opts = Options(**got)
+        check(opts)
+        click.get_current_context().meta[META] = opts
+        return f(*args, **kwargs)
+
+    for opt in reversed(_OPTS):
+        wrapper = opt(wrapper)
+    return wrapper
+
+
+def current_options() -> Options:
+    ctx = click.get_current_context(silent=True)
+    return (ctx.meta.get(META) if ctx else None) or Options()
+
+
+def check(opts: Options) -> None:
+    from kvtrace.errors import UsageError
+
+    if opts.nvme_event_rate < 0 or opts.nvme_slow_us < 0:
+        raise UsageError("--nvme-event-rate and --nvme-slow-us must not be negative")
+    if opts.nic_interval <= 0 or opts.nic_link_interval <= 0 or opts.tcp_probe_ms <= 0:
+        raise UsageError("--nic-interval, --nic-link-interval and --tcp-probe-ms must be positive")
+    for p in opts.nvme_tcp_ports:
+        if not 0 < p < 65536:
+            raise UsageError(f"--nvme-tcp-port {p}: not a TCP port")
+    if opts.nic_netns and not os.path.exists(opts.nic_netns if opts.nic_netns.startswith("/") else f"/run/netns/{opts.nic_netns}"):
+        raise UsageError(f"--nic-netns {opts.nic_netns}: no such network namespace")
+
+
+# ---- the topology watcher ---------------------------------------------------------------------
+class TopologyWatcher:
+    """A sidecar: the NVMe topology as rows (a snapshot at the start, then what changes: state,
+    address, ANA state, controllers and namespaces that appear or vanish), kept on the
+    decode context for the decoders, and told to the nvme probe (namespace devices and LBA
+    sizes, PCIe queue depths)."""
+
+    name = "nvme_topology"
+
+    def __init__(self, ctx, tables: dict | None = None, interval: float = 2.0, root: str = "/"):
+        self.ctx = ctx
+        self.t = tables or {}
+        self.interval = interval
+        self.root = root
+        self.topo: topology.Topology | None = None
+        self.pending: dict[str, list] = {}
+        self.next = 0.0
+        self.changes = 0
+        self.scans = 0
+        self.map_errors = 0
+        self.scan()
+
+    def scan(self) -> None:
+        new = topology.scan(self.root)
+        self.scans += 1
+        c, n, h = topology.changes(self.topo, new, time.monotonic_ns())
+        if self.topo is not None:
+            self.changes += len(c) + len(n)
+        for name, rows in (("nvme_ctrl", c), ("nvme_ns", n), ("nvme_hctx", h)):
+            if rows:
+                self.pending.setdefault(name, []).extend(rows)
+        self.topo = new
+        self.ctx.nvme_ctrls = new.controllers
+        self.ctx.nvme_topology = new
+        self._tell_bpf(new)
+        self.next = time.monotonic() + self.interval
+
+    def _tell_bpf(self, topo: topology.Topology) -> None:
+        ns_map, qd_map = self.t.get("nvme_ns"), self.t.get("nvme_qdepth")
+        try:
+            if ns_map is not None:
+                for (ctrl, nsid), (d1, d2, shift) in topo.bpf_namespaces().items():
+                    ns_map[ns_map.Key(ctrl_id=ctrl, nsid=nsid)] = ns_map.Leaf(dev1=d1, dev2=d2, lba_shift=shift, pad=0)
+            if qd_map is not None:
+                for ctrl, depth in topo.queue_depths().items():
+                    qd_map[ctypes.c_uint32(ctrl)] = ctypes.c_uint32(depth)
+        except Exception:
+            self.map_errors += 1
+
+    def drain(self) -> dict[str, pa.Table]:
+        if time.monotonic() >= self.next:
+            try:
+                self.scan()
+            except Exception:
+                self.map_errors += 1
+        out = {}
+        for name, rows in self.pending.items():
+            sch = schema.TABLES[name]
+            out[name] = pa.table({c: pa.array([r.get(c) for r in rows], sch.field(c).type) for c in sch.names}, schema=sch)
+        self.pending = {}
+        return out
+
+    def stats(self) -> dict:
+        t = self.topo
+        return {"controllers": len(t.controllers) if t else 0, "namespaces": len(t.namespaces()) if t else 0,
+                "scans": self.scans, "changes": self.changes, "map_errors": self.map_errors}
+
+    def close(self) -> None:
+        try:
+            self.scan()   # the end state: changes since the last scan are recorded
+        except Exception:
+            self.map_errors += 1
+
+
+# ---- default interfaces ------------------------------------------------------------------------
+def fabric_interfaces(topo: topology.Topology | None, root: str = "/") -> list[str]:
+    """RDMA netdevs, and the interfaces routes to NVMe-oF (tcp/rdma) targets leave through."""
+    from kvtrace.fabric import counters
+
+    out = counters.rdma_netdevs(root)
+    addrs = sorted({c.traddr for c in (topo.controllers.values() if topo else ()) if c.transport in ("tcp", "rdma") and c.traddr})
+    if not addrs:
+        return out
+    try:
+        from pyroute2 import IPRoute
+
+        with IPRoute() as ipr:
+            for a in addrs:
+                try:
+                    for r in ipr.route("get", dst=a):
+                        oif = r.get_attr("RTA_OIF")
+                        if oif:
+                            name = ipr.get_links(oif)[0].get_attr("IFLA_IFNAME")
+                            if name and name != "lo" and name not in out:
+                                out.append(name)
+                except Exception:
+                    continue
+    except Exception:
+        pass
+    return out
+
+
+# ---- start ---------------------------------------------------------------------------------------
+@dataclass
+class Started:
+    sidecars: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)
+
+
+def _tables(bpf, names) -> dict:
+    out = {}
+    for n in names:
+        try:
+            out[n] = bpf[n]
+        except Exception:
+            pass
+    return out
+
+
+def configure(bpf, plan, opts: Options, ncpus: int | None = None) -> list[str]:
+    """Set the probes' run-time settings in their maps; returns notes for the user."""
+    notes = []
+    ncpus = ncpus or os.cpu_count() or 1
+    if "nvme" in plan.attached:
+        cfg = bpf["nvme_cfg"]
+        budget = max(1, opts.nvme_event_rate // 10 // ncpus)   # per CPU per 100 ms window
+        cfg[ctypes.c_int(0)] = cfg.Leaf(slow_ns=opts.nvme_slow_us * 1000, budget=budget,
+                                        mode=NVME_MODES[opts.nvme_events], epoch=0, pad=0)
+        notes.append(f"nvme events {opts.nvme_events}" + (f" (~{opts.nvme_event_rate}/s)" if opts.nvme_events == "sampled" else ""))
+    if "tcp" in plan.attached:
+        ports = bpf["tcp_ports"]
+        for p in opts.nvme_tcp_ports:
+            ports[ctypes.c_uint16(p)] = ctypes.c_uint8(1)
+        cfg = bpf["tcp_cfg"]
+        cfg[ctypes.c_int(0)] = cfg.Leaf(probe_interval_ns=int(opts.tcp_probe_ms * 1e6))
+        notes.append("tcp ports " + ",".join(map(str, opts.nvme_tcp_ports)))
+    return notes
+
+
+def start(pipeline, source, opts: Options | None = None, echo=None) -> Started:
+    """Set up the fabric side of a capture: probe settings, topology, map reader, NIC poller.
+    Failures here warn and leave the rest of the capture running."""
+    echo = echo or (lambda m: click.echo(m, err=True))
+    try:
+        return _start(pipeline, source, opts or current_options(), echo)
+    except Exception as e:  # never take the capture down
+        echo(f"kvtrace: warning: fabric side not started ({type(e).__name__}: {e})")
+        return Started(warnings=[str(e)])
+
+
+def _start(pipeline, source, opts: Options, echo) -> Started:
+    from kvtrace.fabric import counters
+    from kvtrace.fabric.kstats import KernelMaps
+
+    out = Started()
+    plan = pipeline.plan
+    bpf = getattr(source, "bpf", None)
+    try:
+        if bpf is not None:
+            out.notes += configure(bpf, plan, opts)
+    except Exception as e:
+        out.warnings.append(f"fabric probe settings: {type(e).__name__}: {e}")
+    maps = _tables(bpf, ("nvme_ns", "nvme_qdepth")) if bpf is not None and "nvme" in plan.attached else {}
+    watcher = TopologyWatcher(pipeline.ctx, maps, opts.topology_interval, opts.root)
+    out.sidecars.append(watcher)
+    n = len(watcher.topo.controllers)
+    out.notes.append(f"{n} NVMe controller{'s' if n != 1 else ''}" + (
+        " (" + ", ".join(f"{c.name} {c.transport}" for c in sorted(watcher.topo.controllers.values(), key=lambda c: c.instance)) + ")" if n else ""))
+    if bpf is not None and ("nvme" in plan.attached or "rdma" in plan.attached):
+        tables = _tables(bpf, ("nvme_qstats", "nvme_hist", "nvme_drops", "rdma_cq"))
+        cfg = _tables(bpf, ("nvme_cfg",)).get("nvme_cfg")
+        out.sidecars.append(KernelMaps(tables, pipeline.ctx, cfg))
+    if not opts.no_nic:
+        ifaces = list(opts.nics) or ([] if opts.nic_netns else fabric_interfaces(watcher.topo, opts.root))
+        rdma_devs = counters.ib_devices(opts.root) if not opts.nic_netns else {}
+        if rdma_devs or ifaces:
+            poller = counters.NicPoller(interval=opts.nic_interval, rdma=not opts.nic_netns,
+                                        ifaces=ifaces, netns=opts.nic_netns, link_interval=opts.nic_link_interval,
+                                        root=opts.root)
+            out.warnings += poller.start()
+            out.sidecars.append(poller)
+            what = [f"{d} ({', '.join(p['netdev'] or '?' for p in info['ports'].values())})" for d, info in rdma_devs.items()]
+            what += ifaces
+            out.notes.append(f"NIC counters of {', '.join(what)} every {opts.nic_interval:g}s")
+        else:
+            out.notes.append("no RDMA devices and no --nic interfaces: no NIC counters")
+    for s in out.sidecars:
+        pipeline.add_sidecar(s)
+    for w in out.warnings:
+        echo(f"kvtrace: warning: {w}")
+    echo("kvtrace: fabric: " + "; ".join(out.notes))
+    return out
