@@ -236,6 +236,33 @@ def _engine_off() -> None:
     S.reset()
     with _LOCK:
         _Q.clear()
+    _leave_if_owner_gone()
+
+
+# Live injection: the agent that installed this hook.  An injected hook leaves with its agent
+# (Ctrl-C, SIGTERM, --duration or SIGKILL alike): once the owner is gone, vLLM is restored.
+_OWNER = {"pid": 0}
+
+
+def set_owner(pid: int) -> None:
+    _OWNER["pid"] = int(pid)
+
+
+def _leave_if_owner_gone() -> None:
+    pid = _OWNER["pid"]
+    if not pid:
+        return
+    try:
+        os.kill(pid, 0)
+        return
+    except ProcessLookupError:
+        pass
+    except OSError:
+        return
+    _OWNER["pid"] = 0
+    uninstall()
+    _STATUS.update(installed=False, reason=f"the agent that injected the hook (pid {pid}) exited")
+    log.info("kvtrace hook removed: its agent (pid %d) exited", pid)
 
 
 def _wrap_schedule(orig):
@@ -469,6 +496,7 @@ def _wrap_bind(orig):
                     W.on = False
                     with _LOCK:
                         _Q.clear()
+                    _leave_if_owner_gone()
                 W.active = False
         except Exception as e:
             T.error(e)

@@ -73,5 +73,5 @@ def _remote_exec(pid: int, inner_path: str, timeout: float) -> None:
 def hook(pid: int, action: str = "install", timeout: float = 10.0) -> dict:
     """Install or uninstall the vLLM hook in pid; returns the loader's report."""
     inner_dir, _ = stage.stage(pid)
-    code = loader.render(inner_dir, "__RESULT__", action).replace('"__RESULT__"', "RESULT_PATH")
+    code = loader.render(inner_dir, "__RESULT__", action, owner=os.getpid()).replace('"__RESULT__"', "RESULT_PATH")
     return run(pid, code, timeout)

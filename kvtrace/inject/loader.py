@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 TEMPLATE = r'''
-def _kvtrace_loader(hook_dir, result_path, action):
+def _kvtrace_loader(hook_dir, result_path, action, owner):
     import json, os, sys, time
     res = {"pid": os.getpid(), "t_ns": time.monotonic_ns(), "action": action}
     try:
@@ -26,6 +26,8 @@ def _kvtrace_loader(hook_dir, result_path, action):
         res["hook_file"] = getattr(mod, "__file__", "")
         if action == "install":
             res["installed"] = bool(mod.install())
+            if res["installed"] and owner and not res["reused"]:
+                mod.set_owner(owner)  # an injected hook leaves with its agent
         elif action == "uninstall":
             mod.uninstall()
             res["installed"] = False
@@ -36,11 +38,13 @@ def _kvtrace_loader(hook_dir, result_path, action):
     with open(tmp, "w") as f:
         json.dump(res, f, default=str)
     os.replace(tmp, result_path)
-_kvtrace_loader(@HOOK_DIR@, @RESULT@, @ACTION@)
+_kvtrace_loader(@HOOK_DIR@, @RESULT@, @ACTION@, @OWNER@)
 del _kvtrace_loader
 '''
 
 
-def render(hook_dir: str, result_path: str, action: str) -> str:
+def render(hook_dir: str, result_path: str, action: str, owner: int = 0) -> str:
+    """owner: the agent's pid; a hook this injection installs removes itself when it exits
+    (a hook that was already there, e.g. the plugin's, stays)."""
     return (TEMPLATE.replace("@HOOK_DIR@", json.dumps(hook_dir)).replace("@RESULT@", json.dumps(result_path))
-            .replace("@ACTION@", json.dumps(action)))
+            .replace("@ACTION@", json.dumps(action)).replace("@OWNER@", str(int(owner))))
