@@ -61,6 +61,41 @@ def choose_server(port: int | None, yes: bool):
     raise UsageError(f"found {len(servers)} vLLM servers: pick one with --port PORT or --pid PID")
 
 
+def server_of(pids) -> object | None:
+    """The discovered vLLM server one of these pids belongs to, if any."""
+    from kvtrace.vllm.discover import discover
+
+    for server in discover():
+        if set(pids) & set(server.pids):
+            return server
+    return None
+
+
+def inject_hook(server, inject: bool, usermark: bool):
+    """Inject the vLLM hook (unless refused or --no-inject); say which signals are missing."""
+    from kvtrace.inject.session import InjectionSession
+
+    if server is None:
+        return None
+    if not inject or not usermark:
+        why = "--no-inject" if not inject else "the usermark probe is not attached"
+        click.echo(f"kvtrace: vLLM signals missing (steps, chunks, hits, evictions, KV loads): {why}; "
+                   "kernel probes, KV events and /metrics still run", err=True)
+        return None
+    session = InjectionSession(server)
+    try:
+        results = session.install()
+    except TargetError as e:
+        click.echo(f"kvtrace: vLLM signals missing: {e}", err=True)
+        return None
+    for r in results:
+        if r.installed:
+            click.echo(f"kvtrace: vLLM hook {'already active' if r.reused else 'injected'} in {r.role} {r.pid}", err=True)
+    for line in session.missing():
+        click.echo(f"kvtrace: vLLM signals missing in {line}", err=True)
+    return session
+
+
 def start_vllm_streams(server, kv_events: str | None, kv_replay: str | None, metrics_url: str | None,
                        metrics_interval: float) -> list:
     """Start the KV-event subscriber(s) and the /metrics scraper for this capture.
@@ -115,7 +150,7 @@ def start_vllm_streams(server, kv_events: str | None, kv_replay: str | None, met
 @click.option("--duration", type=float, default=None, help="Stop after this many seconds.")
 @click.option("--probe", "probe_names", multiple=True, type=click.Choice(sorted(BY_NAME)), help="Only these probes (default: all this kernel supports).")
 @click.option("--no-writes", is_flag=True, help="Do not trace write system calls.")
-@click.option("--ringbuf-pages", type=int, default=1024, show_default=True, help="Ring buffer size in pages (a power of two).")
+@click.option("--ringbuf-pages", type=int, default=4096, show_default=True, help="Ring buffer size in pages (a power of two).")
 @click.option("--flush-interval", type=float, default=1.0, show_default=True, help="Seconds between Parquet part files (a crash loses at most this much).")
 @click.option("--quiet", is_flag=True, help="No live status line.")
 @click.option("--raw-out", type=click.Path(dir_okay=False), default=None, help="Also keep the raw ring-buffer records in this file (for bug reports and decoder tests).")
@@ -127,10 +162,11 @@ def start_vllm_streams(server, kv_events: str | None, kv_replay: str | None, met
 @click.option("--metrics-interval", type=float, default=1.0, show_default=True, help="Seconds between /metrics scrapes.")
 @click.option("--otlp", "otlp", default=None, metavar="URL", help="Also stream spans and metrics over OTLP while attached (http://host:4317 gRPC, http://host:4318 HTTP).")
 @click.option("--otlp-protocol", type=click.Choice(["grpc", "http"]), default="grpc", show_default=True, help="OTLP transport for --otlp.")
+@click.option("--inject/--no-inject", default=True, show_default=True, help="Inject the vLLM hook into the server's EngineCore and Workers (removed again at the end).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @fabric.options
 def command(pids, out, duration, probe_names, no_writes, ringbuf_pages, flush_interval, quiet, raw_out, port, yes,
-            kv_events, kv_replay, metrics_url, metrics_interval, otlp, otlp_protocol, command) -> int:
+            kv_events, kv_replay, metrics_url, metrics_interval, otlp, otlp_protocol, inject, command) -> int:
     """Attach kernel probes to processes and record their I/O.
 
     Trace running processes with --pid, or start one: kvtrace attach --out DIR -- CMD ARGS.
@@ -154,6 +190,10 @@ def command(pids, out, duration, probe_names, no_writes, ringbuf_pages, flush_in
         pids = tuple(server.pids)
     elif port is not None:
         raise UsageError("--port picks a discovered vLLM server: use it without --pid or a command")
+    elif pids and not command:
+        server = server_of(pids)  # a pid of a vLLM server picks that whole server
+        if server is not None:
+            pids = tuple(dict.fromkeys([*pids, *server.pids]))
     if duration is not None and duration <= 0:
         raise UsageError("--duration must be a positive number of seconds")
     if ringbuf_pages <= 0 or ringbuf_pages & (ringbuf_pages - 1):
@@ -178,7 +218,8 @@ def command(pids, out, duration, probe_names, no_writes, ringbuf_pages, flush_in
         for pid in pids:
             source.add_target(pid)
         raw = open(raw_out, "wb") if raw_out else None
-        pipeline = Pipeline(source, plan, writer, pids, command=" ".join(command), raw_out=raw)
+        pipeline = Pipeline(source, plan, writer, pids, command=" ".join(command), raw_out=raw,
+                            fresh_pids=(gated.pid,) if gated else ())
         if otlp:
             from kvtrace.otlp.sink import OtlpSink
 
@@ -191,15 +232,17 @@ def command(pids, out, duration, probe_names, no_writes, ringbuf_pages, flush_in
             pipeline.add_sidecar(sidecar)
         fabric.start(pipeline, source)  # NVMe topology, NIC counters, nvme/tcp probe settings
         click.echo(f"kvtrace: attached {', '.join(plan.attached)} to pid {', '.join(map(str, pids))}; writing {out}", err=True)
+        source.start()
         if gated:
             gated.release()
         stop = Stop(duration)
         status = StatusLine(quiet=quiet)
         flag = AgentFlag().__enter__() if "usermark" in plan.attached else None
+        injection = inject_hook(server, inject, "usermark" in plan.attached)
         next_flush = time.monotonic() + flush_interval
         try:
             while not stop.check(source):
-                source.poll(100)
+                time.sleep(0.05)
                 if time.monotonic() >= next_flush:
                     pipeline.step()
                     next_flush = time.monotonic() + flush_interval
@@ -209,6 +252,9 @@ def command(pids, out, duration, probe_names, no_writes, ringbuf_pages, flush_in
             click.echo(f"kvtrace: {e}", err=True)
             raise
         status.done()
+        if injection is not None:
+            injection.uninstall()  # the hook flushes its last records on the way out
+            time.sleep(0.2)
         if flag:
             flag.__exit__(None, None, None)
         if gated and gated.poll() is None:
