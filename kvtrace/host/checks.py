@@ -115,10 +115,45 @@ def _kernel_features() -> list[Check]:
     return out
 
 
+def _fabric(root: str = "/") -> list[Check]:
+    """NVMe controllers with their transport and target, RDMA devices with their counters
+    (or that there are none), and pyroute2 for the NIC counters."""
+    from kvtrace.fabric import counters, topology
+
+    out = []
+    topo = topology.scan(root)
+    if not topo.controllers:
+        out.append(Check("NVMe controllers", ABSENT_FINE, "none on this host (no /sys/class/nvme/nvme*)",
+                         "NVMe topology: transport and target of each command", False))
+    for line, c in zip(topo.summary(), sorted(topo.controllers.values(), key=lambda c: c.instance)):
+        out.append(Check(f"NVMe {c.name} ({c.transport or '?'})", OK if c.state == "live" else MISSING, line,
+                         "transport, target and queues of its commands", False))
+    devs = counters.ib_devices(root)
+    if not devs:
+        out.append(Check("RDMA devices", ABSENT_FINE, "none on this host (no /sys/class/infiniband/*)",
+                         "RDMA port counters and hw_counters (RoCE congestion, retransmits)", False))
+    for dev, info in sorted(devs.items()):
+        ports = "; ".join(
+            f"port {n}: {p['netdev'] or '-'} {p['link_layer'] or '?'} {(p['state'] or '?').split(': ')[-1]} "
+            f"{p['rate'] or ''}, {p['counters']} counters, {p['hw_counters']} hw_counters".replace("  ", " ")
+            for n, p in sorted(info["ports"].items()))
+        dev_hw = f"; device: {info['hw_counters']} hw_counters" if info["hw_counters"] else ""
+        out.append(Check(f"RDMA {dev} ({info['driver']})", OK, (ports or "no ports") + dev_hw,
+                         "counters polled as deltas into nic_counters", False))
+    try:
+        import pyroute2
+
+        out.append(Check("pyroute2", OK, f"{pyroute2.__version__}", "ethtool statistics and link stats64 of NICs", False))
+    except Exception as e:
+        out.append(Check("pyroute2", MISSING, f"{type(e).__name__}: {e}", "ethtool statistics and link stats64 of NICs", False))
+    return out
+
+
 def run_all() -> Report:
     report = Report()
     report.checks.extend(_privileges())
     report.checks.extend(_kernel_features())
     report.checks.append(_headers())
     report.checks.append(_bcc())
+    report.checks.extend(_fabric())
     return report
