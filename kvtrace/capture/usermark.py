@@ -50,7 +50,8 @@ def records(raw: list[bytes]) -> dict[str, list[dict]]:
 
 # Column types from the wire codes: inference would make u64 values >= 2**63 (block hashes) overflow.
 ARROW_TYPES = {"B": pa.uint8(), "H": pa.uint16(), "I": pa.uint32(), "Q": pa.uint64(), "b": pa.int8(),
-               "h": pa.int16(), "i": pa.int32(), "q": pa.int64(), "d": pa.float64(), "s": pa.string()}
+               "h": pa.int16(), "i": pa.int32(), "q": pa.int64(), "d": pa.float64(), "s": pa.string(),
+               "U": pa.list_(pa.uint64())}
 
 
 def schema_for(name: str) -> pa.Schema | None:

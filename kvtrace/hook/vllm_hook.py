@@ -317,6 +317,7 @@ def _after_schedule(sched, so, t0: int, t1: int) -> None:
                       info[0], info[1], start, info[2], info[3], resumed))
             if rid in new_ids and attempt == 0:
                 _arrive(step, rid, req, t1)
+                _prompt_blocks(sched, step, rid, req)
             st = tracked[rid] = [0, prefill_len, attempt]
         elif st is None:  # attached after this request's first chunk
             if len(tracked) >= MAX_TRACKED:
@@ -358,6 +359,23 @@ def _arrive(step: int, rid: str, req, now: int) -> None:
     headers = getattr(req, "trace_headers", None) or {}
     _enqueue(("arrive", step, t, rid, str(headers.get("traceparent", "") or "")[:128],
               str(headers.get("tracestate", "") or "")[:512]))
+
+
+PROMPT_PIECE = 448  # hashes per prompt_blocks record (3,584 bytes: one record fits a frame)
+
+
+def _prompt_blocks(sched, step: int, rid: str, req) -> None:
+    """prompt_blocks records: the prompt's block-hash chain (64-bit KV-event form), never token ids."""
+    try:
+        bs = int(getattr(sched, "hash_block_size", 0) or sched.block_size)
+        n_prompt = req.num_prompt_tokens
+        hashes = [int.from_bytes(h, "big") & M64 for h in req.block_hashes[:n_prompt // bs]]
+        max_out = min(int(getattr(req, "max_tokens", 0) or 0), 0xFFFFFFFF)
+        for first in range(0, max(len(hashes), 1), PROMPT_PIECE):
+            _enqueue(("prompt_blocks", step, rid, bs, n_prompt, max_out, len(hashes), first,
+                      hashes[first:first + PROMPT_PIECE]))
+    except Exception as e:
+        T.error(e)
 
 
 def _wrap_update_from_output(orig):

@@ -2,7 +2,8 @@
 
 A frame is ``b"KVT1"`` followed by records; a record is ``u16 type, u16 body length, body``.
 Bodies are little-endian fields in the order of RECORDS[type]; ``s`` is a string (u16
-length + UTF-8), every other code is a struct code.  Times are CLOCK_MONOTONIC ns
+length + UTF-8), ``U`` a list of u64 (u16 count + count little-endian u64), every other code is
+a struct code.  Times are CLOCK_MONOTONIC ns
 (``time.monotonic_ns()``), the clock of bpf_ktime_get_ns().
 Prompt token ids are never encoded: prompts appear only as block hashes.
 """
@@ -58,7 +59,17 @@ RECORDS: dict[int, tuple[str, list[tuple[str, str]]]] = {
     9: ("kv_store", [("t_start_ns", "Q"), ("t_end_ns", "Q"), ("t_issue_end_ns", "Q"), ("seq", "Q"),
                      ("layer_waits", "I"), ("wait_ns", "Q"), ("blocks", "I"), ("nbytes", "Q"),
                      ("request", "s"), ("source", "s")]),
+    # A request's prompt as its chain of block hashes, at first admission (kvtrace whatif replays
+    # them): hashes[i] is block first+i, in the 64-bit form of vLLM's KV events; long prompts come
+    # as several records (first = index of their first block).  max_output is the request's output
+    # limit (its output length when it is not stopped early).  Token ids are never sent.
+    12: ("prompt_blocks", [("step", "Q"), ("request", "s"), ("block_size", "I"), ("prompt_len", "I"),
+                           ("max_output", "I"), ("num_blocks", "I"), ("first", "I"), ("hashes", "U")]),
 }
+
+
+# Variable-size codes: "s" a string (u16 length + UTF-8), "U" a list of u64 (u16 count + values).
+VARIABLE = {"s": "s", "U": "U"}
 
 
 class Codec:
@@ -71,15 +82,15 @@ class Codec:
 
     @staticmethod
     def _plan(fields) -> list[tuple[int, int, struct.Struct | None]]:
-        """(first value, value count, Struct) per run of fixed-size fields; Struct None is a string."""
+        """(first value, value count, Struct) per run of fixed-size fields; a str names a variable-size code."""
         plan, i = [], 0
         while i < len(fields):
-            if fields[i][1] == "s":
-                plan.append((i, 1, None))
+            if fields[i][1] in VARIABLE:
+                plan.append((i, 1, VARIABLE[fields[i][1]]))
                 i += 1
                 continue
             j = i
-            while j < len(fields) and fields[j][1] != "s":
+            while j < len(fields) and fields[j][1] not in VARIABLE:
                 j += 1
             plan.append((i, j - i, struct.Struct("<" + "".join(code for _, code in fields[i:j]))))
             i = j
@@ -89,10 +100,14 @@ class Codec:
         tid, plan = self._plans[name]
         parts = []
         for first, count, st in plan:
-            if st is None:
+            if st == "s":
                 b = str(values[first]).encode("utf-8", "replace")[:1024]
                 parts.append(_U16.pack(len(b)))
                 parts.append(b)
+            elif st == "U":
+                v = values[first]
+                parts.append(_U16.pack(len(v)))
+                parts.append(struct.pack(f"<{len(v)}Q", *v))
             else:
                 parts.append(st.pack(*values[first:first + count]))
         body = b"".join(parts)
@@ -127,6 +142,10 @@ class Codec:
                     (n,) = struct.unpack_from("<H", body, pos)
                     rec[field] = body[pos + 2:pos + 2 + n].decode("utf-8", "replace")
                     pos += 2 + n
+                elif code == "U":
+                    (n,) = struct.unpack_from("<H", body, pos)
+                    rec[field] = list(struct.unpack_from(f"<{n}Q", body, pos + 2))
+                    pos += 2 + 8 * n
                 else:
                     (rec[field],) = struct.unpack_from("<" + code, body, pos)
                     pos += struct.calcsize("<" + code)
