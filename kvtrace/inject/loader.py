@@ -14,7 +14,11 @@ def _kvtrace_loader(hook_dir, result_path, action, owner):
     try:
         mod = sys.modules.get("kvtrace.hook.vllm_hook")
         res["reused"] = mod is not None
-        if mod is None:
+        if mod is None and action != "install":
+            res["installed"] = False
+            res["status"] = {"installed": False, "reason": "no kvtrace hook in this process"}
+            mod = None
+        elif mod is None:
             sys.path.insert(0, hook_dir)
             try:
                 import kvtrace.hook.vllm_hook as mod
@@ -24,14 +28,19 @@ def _kvtrace_loader(hook_dir, result_path, action, owner):
                 except ValueError:
                     pass
         res["hook_file"] = getattr(mod, "__file__", "")
-        if action == "install":
+        if mod is None:
+            pass
+        elif action == "install":
+            was = bool(mod.status().get("installed"))
             res["installed"] = bool(mod.install())
-            if res["installed"] and owner and not res["reused"]:
-                mod.set_owner(owner)  # an injected hook leaves with its agent
+            res["reused"] = was
+            if res["installed"] and owner and not was:
+                mod.set_owner(owner)  # a hook this injection installed leaves with its agent
         elif action == "uninstall":
             mod.uninstall()
             res["installed"] = False
-        res["status"] = mod.status()
+        if mod is not None:
+            res["status"] = mod.status()
     except BaseException as e:
         res["error"] = "%s: %s" % (type(e).__name__, e)
     tmp = result_path + ".tmp"

@@ -1,0 +1,59 @@
+"""`kvtrace inject`: put the vLLM hook into a running server, take it out, or ask its state.
+
+`kvtrace attach` does this by itself for the length of a capture; this command is for
+checking or cleaning up by hand.  Only processes that belong to a vLLM server found by
+discovery are ever touched.
+"""
+from __future__ import annotations
+
+import json
+
+import click
+
+from kvtrace.errors import PrivilegeError, TargetError
+from kvtrace.host import privileges
+
+
+def find_server(pid: int):
+    from kvtrace.vllm.discover import discover
+
+    for server in discover():
+        if pid in server.pids:
+            return server
+    return None
+
+
+@click.command("inject")
+@click.option("--pid", type=int, required=True, help="A pid of the vLLM server (API server, EngineCore or Worker).")
+@click.option("--remove", is_flag=True, help="Remove the hook instead of installing it.")
+@click.option("--status", "status_only", is_flag=True, help="Only report the hook's state in each process.")
+@click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds to wait for a safe point per process.")
+@click.option("--json", "as_json", is_flag=True)
+def command(pid: int, remove: bool, status_only: bool, timeout: float, as_json: bool) -> int:
+    """Install (default), remove or inspect the vLLM hook in a live server."""
+    import os
+
+    from kvtrace.inject import injector
+
+    if os.geteuid() != 0 and not privileges.has_cap(privileges.CAP_SYS_PTRACE):
+        raise PrivilegeError("injection needs root or CAP_SYS_PTRACE: run with sudo (target untouched)")
+    server = find_server(pid)
+    if server is None:
+        raise TargetError(f"process {pid} is not part of a vLLM server found on this host: not injecting (target untouched)")
+    action = "uninstall" if remove else "status" if status_only else "install"
+    rows = []
+    for p, role in [(p, "engine") for p in server.engine_pids] + [(p, "worker") for p in server.worker_pids]:
+        rep = injector.hook(p, action, timeout)
+        st = rep.get("status") or {}
+        rows.append({"pid": p, "role": role, "installed": st.get("installed"), "reused": rep.get("reused"),
+                     "reason": rep.get("error") or st.get("reason", ""), "roles": st.get("roles"),
+                     "emitted": st.get("emitted"), "errors": st.get("errors")})
+    if as_json:
+        click.echo(json.dumps(rows, indent=1))
+    else:
+        for r in rows:
+            state = "installed" if r["installed"] else "not installed"
+            click.echo(f"{r['role']:6} {r['pid']:>7}  {state}" + (f"  ({r['reason']})" if r["reason"] else ""))
+    if action == "install" and not all(r["installed"] for r in rows):
+        return 1
+    return 0

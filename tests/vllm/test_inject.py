@@ -1,0 +1,207 @@
+"""Live attach: the hook is injected into a running vLLM server that was started without the
+plugin, checked against vLLM's own answers, removed on detach, and survives a SIGKILLed agent.
+Refusals are one line each with the target untouched."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import Counter
+
+import pyarrow as pa
+import pytest
+
+from kvtrace.dataset.reader import Dataset
+from kvtrace.inject import injector
+from kvtrace.vllm import workload
+from kvtrace.vllm.server import VllmServer
+from tests.vllm.conftest import SERVER_ARGS, KvEventSink, free_port, vllm_skip_reason
+
+pytestmark = pytest.mark.root
+
+
+@pytest.fixture(scope="module")
+def plain_server(tmp_path_factory):
+    """A vLLM server with the kvtrace plugin filtered out (VLLM_PLUGINS), KV events on."""
+    reason = vllm_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    pytest.importorskip("zmq")
+    zport = free_port(8180, 8199)
+    events = KvEventSink(zport).start()
+    kv = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{zport}"}
+    server = VllmServer(args=[*SERVER_ARGS, "--kv-events-config", json.dumps(kv)], port=free_port(8160, 8179),
+                        env={"VLLM_PLUGINS": "", "VLLM_SERVER_DEV_MODE": "1"}, workdir=tmp_path_factory.mktemp("plain"))
+    server.start()
+    try:
+        yield server, events
+    finally:
+        server.stop()
+        events.close()
+
+
+def hook_state(server) -> list[dict]:
+    procs = server.processes()
+    return [injector.hook(p, "status") for p in procs["engine"] + procs["workers"]]
+
+
+class Agent:
+    def __init__(self, server, out):
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvtrace", "attach", "--quiet", "--port", str(server.port), "--out", str(out)],
+                                     stderr=subprocess.PIPE, text=True)
+        self.lines = []
+        while True:
+            line = self.proc.stderr.readline()
+            assert line, f"agent exited: {''.join(self.lines)}"
+            self.lines.append(line)
+            if "vLLM hook" in line and "engine" in line:
+                break
+        self.t_attached = time.monotonic_ns()
+
+    def stop(self, sig=signal.SIGINT) -> int:
+        self.proc.send_signal(sig)
+        try:
+            _, err = self.proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        self.lines.append(err)
+        return self.proc.returncode
+
+
+def reset_cache(server) -> None:
+    req = urllib.request.Request(f"{server.url}/reset_prefix_cache", method="POST", data=b"")
+    urllib.request.urlopen(req, timeout=60).read()
+
+
+def test_injected_hook_matches_vllm_and_leaves_on_detach(plain_server, tmp_path):
+    server, events = plain_server
+    # no kvtrace code in the server to begin with
+    assert all(s["status"]["reason"] == "no kvtrace hook in this process" for s in hook_state(server))
+    probes = [workload.Request(f"probe{i}", workload.tokens(__import__("random").Random(i), 300), 6) for i in range(3)]
+    reset_cache(server)
+    before = [r.token_ids for r in workload.run(server.url, server.model, probes)]
+
+    reset_cache(server)
+    agent = Agent(server, tmp_path / "ds")
+    assert any("injected in engine" in l for l in agent.lines)
+    t0 = agent.t_attached
+    with_hook = [r.token_ids for r in workload.run(server.url, server.model, probes)]
+    reqs = workload.shared_prefix(seed=7, groups=2, per_group=3, prefix_len=600, suffix_len=400, fillers=3, filler_len=1000)
+    results = workload.run(server.url, server.model, reqs)
+    time.sleep(1.5)
+    t1 = time.monotonic_ns()
+    assert agent.stop() == 0, agent.lines
+    assert all(not r.error for r in results)
+    assert with_hook == before  # temperature 0: identical completions with and without the hook
+
+    # detached: the hook is gone from every process, and the server still serves
+    for s in hook_state(server):
+        assert s["status"]["installed"] is False
+    assert not workload.send(server.url, server.model, probes[0]).error
+
+    ds = Dataset.open(tmp_path / "ds")
+    admit = ds.table("admit").to_pylist()
+    chunks = ds.table("chunk").to_pylist()
+    by_rid = {r.rid: r for r in results}
+    rid_of = lambda req: next((k for k in by_rid if req.startswith(f"cmpl-{k}-")), None)
+    seen = {}
+    for a in admit:
+        rid = rid_of(a["request"])
+        if rid is None or a["attempt"]:
+            continue
+        seen[rid] = a
+        r = by_rid[rid]
+        assert a["cached_local"] + a["cached_external"] == r.cached_tokens, rid
+        assert a["prompt_len"] == r.prompt_tokens
+        mine = sorted((c for c in chunks if c["request"] == a["request"] and c["attempt"] == 0), key=lambda c: c["chunk_index"])
+        assert [c["chunk_index"] for c in mine] == list(range(len(mine)))
+        assert mine[0]["start"] == a["start"] == r.cached_tokens
+        for x, y in zip(mine, mine[1:]):
+            assert x["start"] + x["length"] == y["start"]
+        assert mine[-1]["start"] + mine[-1]["length"] == r.prompt_tokens and mine[-1]["last"] == 1
+    assert set(seen) == set(by_rid)
+    assert any(r.cached_tokens for r in results)  # the shared prefixes hit
+
+    # evictions: the same multiset of hashes as vLLM's BlockRemoved events while attached
+    removed = Counter()
+    for _, _, batch in events.between(t0, t1):
+        for ev in batch[1]:
+            if ev[0] == "BlockRemoved":
+                removed.update(h & (2**64 - 1) if isinstance(h, int) else int.from_bytes(h, "big") & (2**64 - 1) for h in ev[1])
+    evicted = Counter(e["block_hash"] for e in ds.table("evict").to_pylist())
+    assert sum(evicted.values()) > 0 and evicted == removed
+
+    # a second attach works and does not double events
+    agent2 = Agent(server, tmp_path / "ds2")
+    workload.run(server.url, server.model, reqs[:3])
+    time.sleep(1.5)
+    assert agent2.stop() == 0
+    ds2 = Dataset.open(tmp_path / "ds2")
+    steps = ds2.table("step")["step"].to_pylist()
+    assert steps and len(steps) == len(set(steps))
+    keys = [(c["request"], c["attempt"], c["chunk_index"]) for c in ds2.table("chunk").to_pylist()]
+    assert len(keys) == len(set(keys))
+    assert sum(1 for h in ds2.table("hook_start").to_pylist() if h["role"] == "engine") == 1
+
+
+def test_sigkilled_agent_leaves_a_serving_server_and_no_hook(plain_server, tmp_path):
+    server, _ = plain_server
+    agent = Agent(server, tmp_path / "ds")
+    reqs = workload.shared_prefix(seed=11, groups=2, per_group=2, fillers=1)
+    results: list = []
+    t = threading.Thread(target=lambda: results.extend(workload.run(server.url, server.model, reqs, concurrency=2)))
+    t.start()
+    time.sleep(1.0)
+    agent.stop(signal.SIGKILL)
+    t.join(300)
+    assert len(results) == len(reqs) and all(not r.error for r in results)
+    # the next steps notice the agent is gone (flag re-checked each second) and remove the hook
+    time.sleep(1.5)
+    workload.run(server.url, server.model, reqs[:2])
+    states = hook_state(server)
+    engine = states[0]["status"]
+    assert engine["installed"] is False and "exited" in engine["reason"]
+    assert Dataset.open(tmp_path / "ds").table("step").num_rows > 0  # what was flushed reads back
+
+
+def run_inject(*args):
+    return subprocess.run([sys.executable, "-m", "kvtrace", "inject", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_refusals_are_one_line_and_leave_the_target_untouched(plain_server, tmp_path):
+    server, _ = plain_server
+    # a Python process that is not vLLM
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        p = run_inject("--pid", str(other.pid))
+        assert p.returncode == 3 and "not part of a vLLM server" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+        assert other.poll() is None
+    finally:
+        other.kill()
+    # ptrace denied: the EngineCore already has a tracer
+    engine = server.processes()["engine"][0]
+    if shutil.which("strace"):
+        tracer = subprocess.Popen(["strace", "-p", str(engine), "-o", "/dev/null"], stderr=subprocess.DEVNULL)
+        time.sleep(1)
+        try:
+            p = run_inject("--pid", str(engine))
+            assert p.returncode == 3 and "ptrace" in p.stderr and "denied" in p.stderr, p.stderr
+            assert "Traceback" not in p.stderr
+        finally:
+            tracer.terminate()
+            tracer.wait(10)
+    # a pid that exits during injection: a process that dies at once
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    p = run_inject("--pid", str(gone.pid))
+    assert p.returncode == 3 and len(p.stderr.strip().splitlines()) == 1
+    # the server never stopped serving and carries no hook
+    assert not workload.send(server.url, server.model, workload.Request("after", [5] * 64, 2)).error
+    assert all(s["status"]["installed"] is False for s in hook_state(server))
