@@ -59,6 +59,13 @@ RECORDS: dict[int, tuple[str, list[tuple[str, str]]]] = {
     9: ("kv_store", [("t_start_ns", "Q"), ("t_end_ns", "Q"), ("t_issue_end_ns", "Q"), ("seq", "Q"),
                      ("layer_waits", "I"), ("wait_ns", "Q"), ("blocks", "I"), ("nbytes", "Q"),
                      ("request", "s"), ("source", "s")]),
+    # A request's first admission: its arrival (vLLM's arrival_time, on CLOCK_MONOTONIC) and the
+    # W3C trace context it carried (vLLM keeps it only when started with --otlp-traces-endpoint),
+    # so kvtrace's spans join the request's trace (kvtrace.correlate, docs/otlp.md).
+    10: ("arrive", [("step", "Q"), ("t_ns", "Q"), ("request", "s"), ("traceparent", "s"), ("tracestate", "s")]),
+    # A request vLLM reports finished (or aborted) in the SchedulerOutput of `step`; t_ns is that
+    # step's schedule() start.
+    11: ("finish", [("step", "Q"), ("t_ns", "Q"), ("request", "s")]),
     # A request's prompt as its chain of block hashes, at first admission (kvtrace whatif replays
     # them): hashes[i] is block first+i, in the 64-bit form of vLLM's KV events; long prompts come
     # as several records (first = index of their first block).  max_output is the request's output
