@@ -509,11 +509,14 @@ def correlate(tables: dict[str, pa.Table], run: str = "", final_before: int | No
     att = {k: [] for k in ("source", "ts_ns", "start_ns", "pid", "tid", "bytes", "engine_pid", "step", "request",
                            "attempt", "chunk_index", "transfer_start_ns", "how", "candidates", "share")}
 
+    how_dict = pa.array(HOW, pa.string())
+
     def add(source, ts, start, pid, tid, nbytes, step_rows, req, attempt, cidx, tstart, how, cand, share):
+        """req: a list of request ids, or (codes, distinct ids) for a dictionary column."""
         k = len(ts)
         if not k:
             return
-        att["source"].append(pa.array(np.full(k, source, dtype=object), pa.string()))
+        att["source"].append(pa.DictionaryArray.from_arrays(pa.array(np.zeros(k, np.int32)), pa.array([source])))
         att["ts_ns"].append(pa.array(ts, pa.uint64()))
         att["start_ns"].append(pa.array(start, pa.uint64()))
         att["pid"].append(pa.array(pid, u32))
@@ -523,27 +526,31 @@ def correlate(tables: dict[str, pa.Table], run: str = "", final_before: int | No
         sr = np.maximum(step_rows, 0)
         att["engine_pid"].append(pa.array(np.where(ok, steps["pid"][sr] if n else 0, 0), u32))
         att["step"].append(pa.array(np.where(ok, steps["step"][sr] if n else 0, 0), pa.uint64(), mask=~ok))
-        att["request"].append(pa.array(req, pa.string()))
+        if isinstance(req, tuple):
+            att["request"].append(pa.DictionaryArray.from_arrays(pa.array(req[0], pa.int32()), pa.array(req[1], pa.string())))
+        else:
+            att["request"].append(pa.array(req, pa.string()).dictionary_encode())
         okc = cidx >= 0
         ci = np.maximum(cidx, 0)
         att["attempt"].append(pa.array(np.where(okc, ch["attempt"][ci] if nc else 0, 0), u32, mask=~okc))
         att["chunk_index"].append(pa.array(np.where(okc, ch["chunk_index"][ci] if nc else 0, 0), pa.int32(), mask=~okc))
         att["transfer_start_ns"].append(pa.array(tstart, pa.uint64(), mask=tstart == 0))
-        att["how"].append(pa.array(np.asarray(HOW, dtype=object)[how], pa.string()))
+        att["how"].append(pa.DictionaryArray.from_arrays(pa.array(np.asarray(how, np.int32)), how_dict))
         att["candidates"].append(pa.array(cand, u32))
         att["share"].append(pa.array(share, pa.float64()))
 
+    tr_requests = np.concatenate([tr["request"], np.array([""], dtype=object)]) if tr.n else np.array([""], dtype=object)
     for name, k in kio.items():
         x = k["x"]
         sel = np.flatnonzero(k["storage"] & k["final"])
         trn = k["transfer"][sel]
         okt = trn >= 0
         tsel = np.maximum(trn, 0)
-        req = np.where(okt, tr["request"][tsel] if tr.n else "", "") if len(sel) else np.zeros(0, object)
-        cidx = np.where(okt, tr_chunk[tsel] if tr.n else -1, -1)
-        tstart = np.where(okt, tr["t_start_ns"][tsel] if tr.n else 0, 0).astype(np.uint64)
+        codes = np.where(okt, trn, tr.n).astype(np.int32)
+        cidx = np.where(okt, tr_chunk[tsel], -1) if tr.n else np.full(len(sel), -1)
+        tstart = np.where(okt, tr["t_start_ns"][tsel], 0).astype(np.uint64) if tr.n else np.zeros(len(sel), np.uint64)
         add(name, x["ts_ns"][sel], k["t"][sel], x["pid"][sel], x["tid"][sel], x["bytes"][sel], k["step"][sel],
-            req.tolist(), None, cidx, tstart, k["how"][sel], k["cand"][sel], np.ones(len(sel)))
+            (codes, tr_requests), None, cidx, tstart, k["how"][sel], k["cand"][sel], np.ones(len(sel)))
     for d, name in (("load", "kv_load"), ("store", "kv_store")):
         sel = np.flatnonzero((tr["dir"] == d) & tr_final)
         add(name, tr["t_end_ns"][sel], tr["t_start_ns"][sel], tr["pid"][sel], tr["tid"][sel], tr["nbytes"][sel],
@@ -569,7 +576,8 @@ def correlate(tables: dict[str, pa.Table], run: str = "", final_before: int | No
                 np.zeros(len(sel), np.uint32), np.zeros(len(sel), np.uint32), np.zeros(len(sel), np.uint64), srows,
                 [""] * len(sel), None, np.full(len(sel), -1), np.zeros(len(sel), np.uint64), np.full(len(sel), OVERLAP),
                 np.ones(len(sel), np.int32), np.array([o[4][i] for i in sel], np.float64))
-    attributions = pa.table({k: (pa.concat_arrays(v) if v else pa.array([], ATTR_TYPES[k])) for k, v in att.items()})
+    attributions = pa.table({k: pa.chunked_array(v, ATTR_TYPES[k]) if v else pa.chunked_array([], ATTR_TYPES[k])
+                             for k, v in att.items()})
 
     # -- what spans need: transfers (final) with their kernel I/O ----------------------------------------
     transfers, groups = [], []
@@ -681,7 +689,8 @@ def _group(name: str, transfer: int | None, x: Cols, t: np.ndarray, rows: np.nda
     return g
 
 
-ATTR_TYPES = {"source": pa.string(), "ts_ns": pa.uint64(), "start_ns": pa.uint64(), "pid": pa.uint32(),
+_D = pa.dictionary(pa.int32(), pa.string())
+ATTR_TYPES = {"source": _D, "ts_ns": pa.uint64(), "start_ns": pa.uint64(), "pid": pa.uint32(),
               "tid": pa.uint32(), "bytes": pa.uint64(), "engine_pid": pa.uint32(), "step": pa.uint64(),
-              "request": pa.string(), "attempt": pa.uint32(), "chunk_index": pa.int32(),
-              "transfer_start_ns": pa.uint64(), "how": pa.string(), "candidates": pa.uint32(), "share": pa.float64()}
+              "request": _D, "attempt": pa.uint32(), "chunk_index": pa.int32(),
+              "transfer_start_ns": pa.uint64(), "how": _D, "candidates": pa.uint32(), "share": pa.float64()}

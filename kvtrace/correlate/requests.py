@@ -28,6 +28,11 @@ class Acc:
     last_ns: int = 0                                 # last activity (monotonic)
 
 
+# what request rows and request spans read of each chunk
+CHUNK_COLS = ("request", "engine_pid", "step", "attempt", "chunk_index", "last", "prompt_len", "tokens",
+              "storage_wait_ns", "compute_ns", "t_start_ns", "t_end_ns")
+
+
 class Requests:
     def __init__(self, run: str, max_open: int = 200_000):
         self.run = run
@@ -52,10 +57,15 @@ class Requests:
             a = self._acc(ad["request"], ad["pid"])
             if not any(x["attempt"] == ad["attempt"] for x in a.admits):
                 a.admits.append(ad)
-        for row in res.chunks.to_pylist():
-            a = self._acc(row["request"], row["engine_pid"])
-            a.chunks.append(row)
-            a.last_ns = max(a.last_ns, row["t_end_ns"])
+        ch = res.chunks
+        if ch.num_rows:
+            cols = {k: ch[k].to_pylist() for k in CHUNK_COLS}
+            for row in zip(*cols.values()):
+                row = dict(zip(CHUNK_COLS, row))
+                a = self._acc(row["request"], row["engine_pid"])
+                a.chunks.append(row)
+                if row["t_end_ns"] > a.last_ns:
+                    a.last_ns = row["t_end_ns"]
         for p in res.preempts:
             a = self._acc(p["request"], p["engine_pid"])
             a.preempts.append(p)

@@ -146,7 +146,7 @@ TABLES: dict[str, pa.Schema] = {
     ]),
     "attributions": pa.schema([
         ("source", d), ("ts_ns", u64), ("start_ns", u64), ("pid", u32), ("tid", u32), ("bytes", u64),
-        ("engine_pid", u32), ("step", u64), ("request", s), ("attempt", u32), ("chunk_index", i32),
+        ("engine_pid", u32), ("step", u64), ("request", d), ("attempt", u32), ("chunk_index", i32),
         ("transfer_start_ns", u64), ("how", d), ("candidates", u32), ("share", f64),
     ]),
 }

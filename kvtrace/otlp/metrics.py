@@ -75,8 +75,10 @@ class Metrics:
             self._observe("kvtrace.kv.load.duration", (("kvtrace.transfer.source", src),), v)
         at = res.attributions
         if at.num_rows:
-            src = at["source"].to_numpy(zero_copy_only=False)
-            how = at["how"].to_numpy(zero_copy_only=False)
+            import pyarrow as pa
+
+            src = at["source"].cast(pa.string()).to_numpy(zero_copy_only=False)
+            how = at["how"].cast(pa.string()).to_numpy(zero_copy_only=False)
             lat = (at["ts_ns"].to_numpy().astype(np.int64) - at["start_ns"].to_numpy().astype(np.int64)) / 1e9
             for source, layer in (("block_io", "block"), ("file_io", "file"), ("io_uring", "io_uring")):
                 m = (src == source) & (how != "none")
