@@ -75,8 +75,10 @@ class VllmServer:
             "--load-format", "dummy", "--skip-tokenizer-init", "--host", "127.0.0.1",
             "--port", str(self.port), "--max-model-len", "4096", *self.args,
         ]
-        # No VLLM_CPU_KVCACHE_SPACE default: on the CPU build it overrides --kv-cache-memory-bytes.
-        env = {**os.environ, **self.env}
+        # VLLM_CPU_KVCACHE_SPACE (whole GiB) keeps the CPU worker from reserving a fraction of all
+        # memory at start; it also overrides --kv-cache-memory-bytes, so size small caches with
+        # --num-gpu-blocks-override.  Callers may override it through env.
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **self.env}
         env.pop("PYTHONPATH", None)
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
