@@ -28,13 +28,14 @@ struct kv_tcp_event {
     u32 rcv_wnd;
     u32 data_len;
     u32 probes;            /* tcp_probe hits this event stands for */
+    s32 err;               /* retransmit: 0 sent, else why not (-EBUSY: still queued, ...); 6.13+ */
     u16 sport;
     u16 dport;
     u16 family;            /* AF_INET 2, AF_INET6 10 */
     u8  type;              /* KV_TCP_* */
     u8  state;             /* retransmit: the socket's state; state change: the old state */
     u8  newstate;
-    u8  pad[3];
+    u8  pad[7];
     u8  saddr[16];         /* IPv4 in the first 4 bytes */
     u8  daddr[16];
 };
@@ -89,6 +90,9 @@ TRACEPOINT_PROBE(tcp, tcp_retransmit_skb)
     e->family = args->family;
 #else
     e->family = 2;
+#endif
+#ifdef KV_TCP_RETRANS_ERR
+    e->err = args->err;
 #endif
     if (e->family == 10) {
         bpf_probe_read_kernel(e->saddr, 16, (void *)args->saddr_v6);

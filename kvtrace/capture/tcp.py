@@ -25,13 +25,14 @@ DTYPE = struct_dtype(
         ("rcv_wnd", "<u4"),
         ("data_len", "<u4"),
         ("probes", "<u4"),
+        ("err", "<i4"),
         ("sport", "<u2"),
         ("dport", "<u2"),
         ("family", "<u2"),
         ("type", "u1"),
         ("state", "u1"),
         ("newstate", "u1"),
-        ("pad", "u1", (3,)),
+        ("pad", "u1", (7,)),
         ("saddr", "u1", (16,)),
         ("daddr", "u1", (16,)),
     ]
@@ -59,6 +60,8 @@ def config(tp, fields=None) -> tuple[list[str], str | None]:
             flags.append("-DKV_TCP_HAVE_RETRANS")
             if f is None or "family" in f:
                 flags.append("-DKV_TCP_RETRANS_FAMILY")
+            if f is not None and "err" in f:
+                flags.append("-DKV_TCP_RETRANS_ERR")
     if tp("sock", "inet_sock_set_state"):
         f = fields("sock", "inet_sock_set_state")
         if f is None or {"skaddr", "oldstate", "newstate", "sport", "dport", "family", "protocol"} <= f:
@@ -118,6 +121,7 @@ def decode(raw: list[bytes], ctx: DecodeContext) -> pa.Table:
         "rcv_wnd": pa.array(a["rcv_wnd"], pa.uint32(), mask=~is_probe),
         "data_len": pa.array(a["data_len"], pa.uint32(), mask=~is_probe),
         "probes": pa.array(a["probes"], pa.uint32(), mask=~is_probe),
+        "err": pa.array(a["err"], pa.int32(), mask=np.array([t != 1 for t in types], dtype=bool)),
         "skaddr": pa.array(a["skaddr"], pa.uint64()),
         "sock_cookie": pa.array(a["sock_cookie"], pa.uint64(), mask=~is_probe),
         "pid": pa.array(a["tgid"], pa.uint32()),
@@ -157,6 +161,7 @@ class Reference:
             e = self._new(1, ts, pid, tid)
             e["skaddr"], e["state"], e["sport"], e["dport"] = f["skaddr"], f["state"], f["sport"], f["dport"]
             e["family"] = f.get("family", 2)
+            e["err"] = f.get("err", 0)
             self._addrs(e, int(e["family"][0]), f)
         elif event == "inet_sock_set_state":
             if f["protocol"] != 6:

@@ -90,7 +90,7 @@ TABLES: dict[str, pa.Schema] = {
     "tcp_events": pa.schema([
         ("ts_ns", u64), ("event", d), ("conn", d), ("saddr", d), ("sport", u32), ("daddr", d), ("dport", u32),
         ("family", d), ("state", d), ("newstate", d), ("srtt_us", u32), ("snd_cwnd", u32), ("ssthresh", u32),
-        ("snd_wnd", u32), ("rcv_wnd", u32), ("data_len", u32), ("probes", u32), ("skaddr", u64),
+        ("snd_wnd", u32), ("rcv_wnd", u32), ("data_len", u32), ("probes", u32), ("err", i32), ("skaddr", u64),
         ("sock_cookie", u64), ("pid", u32), ("tid", u32),
     ]),
     "rdma_events": pa.schema([

@@ -1,0 +1,92 @@
+"""A TCP connection to port 4420 between two network namespaces, with an outage that forces
+retransmissions; reports what the kernel itself counted (Tcp RetransSegs of both
+namespaces) and what was sent.  Run by test_fabric.py under `kvtrace attach`.
+
+    python tcp_4420.py --ns-a A --ns-b B --addr 10.99.0.2 --result out.json
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+SERVER = r"""
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], 4420)); s.listen(1); print("listening", flush=True)
+c, _ = s.accept(); n = 0
+while True:
+    b = c.recv(65536)
+    if not b: break
+    n += len(b)
+c.close(); print(n, flush=True)
+"""
+
+
+def snmp(ns: str) -> dict[str, int]:
+    out = {}
+    for f in ("/proc/net/snmp", "/proc/net/netstat"):
+        lines = subprocess.run(["ip", "netns", "exec", ns, "cat", f], capture_output=True, text=True, check=True).stdout.splitlines()
+        for head, vals in zip(lines[::2], lines[1::2]):
+            p, names = head.split(":", 1)
+            out.update({f"{p}.{k}": int(v) for k, v in zip(names.split(), vals.split(":", 1)[1].split())})
+    return out
+
+
+def setns(ns: str) -> None:
+    fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+    if ctypes.CDLL(None, use_errno=True).setns(fd, 0x40000000) != 0:
+        raise OSError(ctypes.get_errno(), "setns")
+    os.close(fd)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ns-a", required=True)
+    ap.add_argument("--ns-b", required=True)
+    ap.add_argument("--addr", required=True)
+    ap.add_argument("--dev-b", default="v1")
+    ap.add_argument("--outage", type=float, default=1.6)
+    ap.add_argument("--result", required=True)
+    a = ap.parse_args()
+    before = {ns: snmp(ns) for ns in (a.ns_a, a.ns_b)}
+    server = subprocess.Popen(["ip", "netns", "exec", a.ns_b, sys.executable, "-c", SERVER, a.addr],
+                              stdout=subprocess.PIPE, text=True)
+    assert server.stdout.readline().strip() == "listening"
+    setns(a.ns_a)
+    c = socket.create_connection((a.addr, 4420), timeout=30)
+    sport = c.getsockname()[1]
+    sent = 0
+    payload = os.urandom(65536)
+    c.sendall(payload)
+    sent += len(payload)
+    time.sleep(0.3)                       # delivered and acknowledged
+    # a permanent neighbour entry: with the peer down the segments really go out (and are
+    # dropped by the veth) instead of waiting for ARP, so each timeout is a real retransmission
+    mac = json.loads(subprocess.run(["ip", "-n", a.ns_b, "-j", "link", "show", a.dev_b], capture_output=True,
+                                    text=True, check=True).stdout)[0]["address"]
+    subprocess.run(["ip", "-n", a.ns_a, "neigh", "replace", a.addr, "lladdr", mac, "dev", "v0", "nud", "permanent"], check=True)
+    subprocess.run(["ip", "-n", a.ns_b, "link", "set", a.dev_b, "down"], check=True)
+    c.sendall(b"x" * 1000)                # lost: retransmitted on timeout until the link is back
+    sent += 1000
+    time.sleep(a.outage)
+    subprocess.run(["ip", "-n", a.ns_b, "link", "set", a.dev_b, "up"], check=True)
+    c.shutdown(socket.SHUT_WR)
+    got = int(server.stdout.readline())
+    server.wait(30)
+    c.close()
+    time.sleep(0.2)
+    after = {ns: snmp(ns) for ns in (a.ns_a, a.ns_b)}
+    d = lambda k: sum(after[ns][k] - before[ns][k] for ns in after)
+    json.dump({"pid": os.getpid(), "sport": sport, "sent": sent, "received": got,
+               "retrans_segs": d("Tcp.RetransSegs"), "loss_probes": d("TcpExt.TCPLossProbes"),
+               "retrans_fail": d("TcpExt.TCPRetransFail")}, open(a.result, "w"))
+
+
+if __name__ == "__main__":
+    main()
