@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 KIND_BLOCK, KIND_FILEIO, KIND_FDOPEN, KIND_URING, KIND_PROC, KIND_USER = 1, 2, 3, 4, 5, 6
-KIND_NVME, KIND_TCP, KIND_RDMA = 7, 8, 9
+KIND_NVME, KIND_TCP, KIND_RDMA, KIND_ULIB = 7, 8, 9, 10
 NKINDS = 16
 
 # struct kv_hdr: (field, numpy type); the C name of each field is "h.<field>".

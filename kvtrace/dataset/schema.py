@@ -110,6 +110,11 @@ TABLES: dict[str, pa.Schema] = {
         ("name", d), ("raw", u64), ("value", u64), ("delta", u64), ("unit", d), ("status", d), ("rate", f64),
         ("full", b),
     ]),
+    # Calls into user-space KV transfer libraries (UCX, cuFile, NIXL) by uprobes (--uprobe LIB).
+    "ulib_calls": pa.schema([
+        ("ts_ns", u64), ("entry_ns", u64), ("latency_ns", i64), ("pid", u32), ("tid", u32), ("lib", d), ("func", d),
+        ("bytes", u64), ("arg", u64), ("ret", i64),
+    ]),
     # Derived by the correlator (kvtrace.correlate; docs/correlate.md) at a clean stop or by
     # `kvtrace correlate DIR`: one row per request, prefill chunk, engine step, attributed event.
     "requests": pa.schema([

@@ -35,6 +35,7 @@ class Options:
     nic_link_interval: float = 1.0
     nic_netns: str | None = None
     no_nic: bool = False
+    uprobes: tuple = ()
     topology_interval: float = 2.0
     root: str = "/"
 
@@ -61,9 +62,13 @@ _OPTS = [
     click.option("--nic-netns", default=None, metavar="NAME",
                  help="Read the --nic interfaces in this network namespace (ip netns name or path)."),
     click.option("--no-nic", is_flag=True, help="Do not poll NIC or RDMA counters."),
+    click.option("--uprobe", "uprobes", multiple=True, metavar="LIB[=PATH]",
+                 help="Uprobes on a user-space KV transfer library the tracepoints cannot see: ucx "
+                      "(ucp_put_nbx/ucp_get_nbx), cufile (cuFileRead/cuFileWrite), nixl (postXferReq). "
+                      "PATH names the library file (default: as mapped by the traced processes). Repeatable."),
 ]
 NAMES = ("nvme_events", "nvme_event_rate", "nvme_slow_us", "nvme_tcp_ports", "tcp_probe_ms", "nics",
-         "nic_interval", "nic_link_interval", "nic_netns", "no_nic")
+         "nic_interval", "nic_link_interval", "nic_netns", "no_nic", "uprobes")
 
 
 def options(f):
@@ -76,6 +81,9 @@ def options(f):
             got.pop("nvme_tcp_ports", None)
         opts = Options(**got)
         check(opts)
+        from kvtrace.capture import ulib
+
+        ulib.requested = parse_uprobes(opts.uprobes)   # the ulib probe is planned only when asked for
         click.get_current_context().meta[META] = opts
         return f(*args, **kwargs)
 
@@ -87,6 +95,21 @@ def options(f):
 def current_options() -> Options:
     ctx = click.get_current_context(silent=True)
     return (ctx.meta.get(META) if ctx else None) or Options()
+
+
+def parse_uprobes(specs) -> dict[str, str | None]:
+    from kvtrace.capture import ulib
+    from kvtrace.errors import UsageError
+
+    out = {}
+    for spec in specs:
+        lib, _, path = spec.partition("=")
+        if lib not in ulib.LIBS:
+            raise UsageError(f"--uprobe {spec}: not one of {', '.join(sorted(ulib.LIBS))}")
+        if path and not os.path.isfile(path):
+            raise UsageError(f"--uprobe {spec}: no such file {path}")
+        out[lib] = path or None
+    return out
 
 
 def check(opts: Options) -> None:
@@ -266,6 +289,12 @@ def _start(pipeline, source, opts: Options, echo) -> Started:
             out.notes += configure(bpf, plan, opts)
     except Exception as e:
         out.warnings.append(f"fabric probe settings: {type(e).__name__}: {e}")
+    if bpf is not None and "ulib" in plan.attached:
+        from kvtrace.capture import ulib
+
+        notes, warns = ulib.attach(bpf, list(getattr(pipeline, "pids", [])), parse_uprobes(opts.uprobes))
+        out.notes += notes
+        out.warnings += warns
     maps = _tables(bpf, ("nvme_ns", "nvme_qdepth")) if bpf is not None and "nvme" in plan.attached else {}
     watcher = TopologyWatcher(pipeline.ctx, maps, opts.topology_interval, opts.root)
     out.sidecars.append(watcher)

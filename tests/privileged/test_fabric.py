@@ -208,3 +208,61 @@ def test_nvme_tcp_port_states_rtt_and_retransmits(tmp_path, netns):
     assert sum(r["delta"] or 0 for r in nic if r["name"] == "tx_bytes") >= truth["sent"]
     print(f"tcp 4420: {len(client)} client events, {len(probes)} RTT samples, {len(retrans)} retransmits "
           f"= kernel RetransSegs {truth['retrans_segs']}")
+
+
+FAKE_LIBS = {
+    "libucp.so.0": r"""
+#include <stddef.h>
+void *ucp_put_nbx(void *ep, const void *buf, size_t count, unsigned long remote, void *rkey, const void *p) { return 0; }
+void *ucp_get_nbx(void *ep, void *buf, size_t count, unsigned long remote, void *rkey, const void *p) { return 0; }
+""",
+    "libcufile.so.0": r"""
+#include <stddef.h>
+#include <sys/types.h>
+ssize_t cuFileRead(void *fh, void *dev, size_t size, off_t off, off_t devoff) { return (ssize_t)size; }
+ssize_t cuFileWrite(void *fh, const void *dev, size_t size, off_t off, off_t devoff) { return -5; }
+""",
+}
+DRIVER = r"""
+import ctypes, json, os, sys, threading
+ucp, cuf = ctypes.CDLL(sys.argv[1]), ctypes.CDLL(sys.argv[2])
+for f in (ucp.ucp_put_nbx, ucp.ucp_get_nbx):
+    f.restype, f.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_void_p]
+for f in (cuf.cuFileRead, cuf.cuFileWrite):
+    f.restype, f.argtypes = ctypes.c_ssize_t, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_long, ctypes.c_long]
+puts = [(4096 * (i + 1), 0x7f0000000000 + i * 0x10000) for i in range(10)]
+for n, remote in puts:
+    ucp.ucp_put_nbx(None, None, n, remote, None, None)
+for i in range(5):
+    ucp.ucp_get_nbx(None, None, 65536, 0x7e0000000000, None, None)
+reads = [(1 << 20, i << 20) for i in range(3)]
+for n, off in reads:
+    assert cuf.cuFileRead(None, None, n, off, 0) == n
+assert cuf.cuFileWrite(None, None, 8192, 0, 0) == -5
+json.dump({"pid": os.getpid(), "tid": threading.get_native_id(), "puts": puts, "reads": reads}, open(sys.argv[3], "w"))
+"""
+
+
+def test_uprobes_on_ucx_and_cufile_entry_points(tmp_path):
+    """Kernel-bypass transfers are invisible to tracepoints; --uprobe sees the library calls."""
+    libs = {}
+    for name, src in FAKE_LIBS.items():
+        c = tmp_path / f"{name}.c"
+        c.write_text(src)
+        libs[name] = tmp_path / name
+        sh("gcc", "-shared", "-fPIC", "-O2", "-o", str(libs[name]), str(c))
+    out, result = tmp_path / "ds", tmp_path / "r.json"
+    p = run_kvtrace("attach", "--quiet", "--out", str(out), "--no-nic", "--uprobe", f"ucx={libs['libucp.so.0']}",
+                    "--uprobe", f"cufile={libs['libcufile.so.0']}", "--", PY, "-c", DRIVER,
+                    str(libs["libucp.so.0"]), str(libs["libcufile.so.0"]), str(result), timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "uprobes on ucx" in p.stderr and "uprobes on cufile" in p.stderr
+    truth = json.loads(result.read_text())
+    rows = Dataset.open(out).table("ulib_calls").to_pylist()
+    by = lambda f: [r for r in rows if r["func"] == f]
+    assert [(r["bytes"], r["arg"]) for r in by("ucp_put_nbx")] == [tuple(x) for x in truth["puts"]]
+    assert [r["bytes"] for r in by("ucp_get_nbx")] == [65536] * 5
+    assert [(r["bytes"], r["arg"], r["ret"]) for r in by("cuFileRead")] == [(n, off, n) for n, off in truth["reads"]]
+    assert [(r["bytes"], r["ret"]) for r in by("cuFileWrite")] == [(8192, -5)]
+    assert all(r["pid"] == truth["pid"] and r["tid"] == truth["tid"] and r["latency_ns"] > 0 for r in rows)
+    assert {r["lib"] for r in rows} == {"ucx", "cufile"} and len(rows) == 19
