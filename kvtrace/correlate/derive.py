@@ -4,6 +4,8 @@ host/date partition as the run, and the spans of ``kvtrace export``.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,7 +82,25 @@ class RunCorrelation:
     traces: dict
 
 
+@contextlib.contextmanager
+def no_gc():
+    """The cyclic collector off for a pass that allocates many small objects and frees them all
+    at the end (a full collection would walk every live row dict for nothing)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def correlate_tables(tables: dict[str, pa.Table], run: str, io_span_bytes: int = 1 << 20):
+    with no_gc():
+        return _correlate_tables(tables, run, io_span_bytes)
+
+
+def _correlate_tables(tables: dict[str, pa.Table], run: str, io_span_bytes: int = 1 << 20):
     res = correlate(tables, run, io_span_bytes=io_span_bytes)
     reqs = Requests(run)
     reqs.add(res)

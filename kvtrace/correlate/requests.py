@@ -123,33 +123,42 @@ REQUEST_SCHEMA = pa.schema([
 def request_row(run: str, a: Acc) -> dict:
     tp = a.arrive["traceparent"] if a.arrive else ""
     trace, parent, joined = ids.trace_of(run, a.request, tp)
-    chunks = sorted(a.chunks, key=lambda c: (c["t_start_ns"], c["step"]))
-    admits = sorted(a.admits, key=lambda x: x["attempt"])
-    first = next((x for x in admits if x["attempt"] == 0), None)
+    chunks = a.chunks
+    first = None
+    readmit = 0
+    for x in a.admits:
+        if x["attempt"] == 0:
+            first = x
+        else:
+            readmit += x["cached_local"] + x["cached_external"]
     arrival = a.arrive["t_ns"] if a.arrive else 0
-    first_sched = chunks[0]["t_start_ns"] if chunks else 0
-    lasts = [c["t_end_ns"] for c in chunks if c["last"]]
+    first_sched = min((c["t_start_ns"] for c in chunks), default=0)
+    prefill_end = max((c["t_end_ns"] for c in chunks if c["last"]), default=0)
     finish = a.finish["t_ns"] if a.finish else 0
-    times = [c["t_end_ns"] for c in chunks] + [p["t_ns"] for p in a.preempts] + \
-            [t["t_end_ns"] for t in a.transfers] + [finish, arrival]
-    start_candidates = [x for x in (arrival, first_sched) if x] + [t["t_start_ns"] for t in a.transfers]
-    start = min(start_candidates) if start_candidates else 0
-    end = max(times) if times else 0
     loads = [t for t in a.transfers if t["dir"] == "load"]
     stores = [t for t in a.transfers if t["dir"] == "store"]
-    prompt = (first or (admits[0] if admits else None) or {}).get("prompt_len") or (chunks[0]["prompt_len"] if chunks else 0)
+    end = max(max((c["t_end_ns"] for c in chunks), default=0), max((p["t_ns"] for p in a.preempts), default=0),
+              max((t["t_end_ns"] for t in a.transfers), default=0), finish, arrival)
+    start_candidates = [x for x in (arrival, first_sched) if x] + [t["t_start_ns"] for t in a.transfers]
+    start = min(start_candidates) if start_candidates else 0
+    if first is not None:
+        prompt = first["prompt_len"]
+    elif a.admits:
+        prompt = min(a.admits, key=lambda x: x["attempt"])["prompt_len"]
+    else:
+        prompt = min(chunks, key=lambda c: (c["t_start_ns"], c["step"]))["prompt_len"] if chunks else 0
     return {
         "engine_pid": a.engine_pid, "request": a.request, "external_id": ids.external_id(a.request),
-        "arrival_ns": arrival, "first_scheduled_ns": first_sched, "prefill_end_ns": max(lasts) if lasts else 0,
+        "arrival_ns": arrival, "first_scheduled_ns": first_sched, "prefill_end_ns": prefill_end,
         "finish_ns": finish, "start_ns": start, "end_ns": max(end, start),
         "queue_ns": (first_sched - arrival) if arrival and first_sched else 0,
-        "prompt_len": prompt, "admissions": len(admits), "preemptions": len(a.preempts), "chunks": len(chunks),
+        "prompt_len": prompt, "admissions": len(a.admits), "preemptions": len(a.preempts), "chunks": len(chunks),
         "prefill_tokens": sum(c["tokens"] for c in chunks),
         "cached_tokens": (first["cached_local"] + first["cached_external"]) if first else 0,
         "cached_local": first["cached_local"] if first else 0,
         "cached_external": first["cached_external"] if first else 0,
         "hit_blocks": first["hit_blocks"] if first else 0,
-        "readmit_cached_tokens": sum(x["cached_local"] + x["cached_external"] for x in admits if x["attempt"] > 0),
+        "readmit_cached_tokens": readmit,
         "evicted_blocks": a.evicts, "load_count": len(loads), "load_bytes": sum(t["nbytes"] for t in loads),
         "load_ns": sum(t["t_end_ns"] - t["t_start_ns"] for t in loads), "store_count": len(stores),
         "store_bytes": sum(t["nbytes"] for t in stores),

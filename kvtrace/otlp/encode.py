@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
+
 from kvtrace import __version__
 
 _F64 = struct.Struct("<Q").pack
@@ -20,19 +22,21 @@ _V2 = [bytes([(i & 0x7F) | 0x80, i >> 7]) for i in range(16384)]
 _M64 = (1 << 64) - 1
 
 
+_V2C = [bytes([(i & 0x7F) | 0x80, ((i >> 7) & 0x7F) | 0x80]) for i in range(16384)]
+
+
 def varint(n: int) -> bytes:
-    if n < 128:
-        if n >= 0:
-            return _V1[n]
+    if n < 0:
         n &= _M64
-    elif n < 16384:
+    if n < 128:
+        return _V1[n]
+    if n < 16384:
         return _V2[n]
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
+    out = b""
+    while n >= 16384:  # 14 bits per table lookup
+        out += _V2C[n & 0x3FFF]
+        n >>= 14
+    return out + (_V1[n] if n < 128 else _V2[n])
 
 
 def _ld(tag: bytes, payload: bytes) -> bytes:
@@ -65,9 +69,22 @@ def any_value(v) -> bytes:
     return b"\x0a" + varint(len(b)) + b
 
 
+_KV: dict = {}
+_KV_MAX = 65536
+
+
 def key_value(k: str, v) -> bytes:
+    t = type(v)
+    cacheable = t is bool or (t is int and -1 < v < 4096) or (t is str and len(v) < 64)
+    if cacheable:
+        kv = _KV.get((k, t, v))
+        if kv is not None:
+            return kv
     av = any_value(v)
-    return _key(k) + b"\x12" + varint(len(av)) + av
+    kv = _key(k) + b"\x12" + varint(len(av)) + av
+    if cacheable and len(_KV) < _KV_MAX:
+        _KV[(k, t, v)] = kv
+    return kv
 
 
 def attributes(tag: bytes, attrs) -> bytes:
@@ -97,14 +114,41 @@ def span(s) -> bytes:
         parts += [b"\x22\x08", s.parent_id]
     parts += [name, b"\x30\x01\x39", _F64(s.start), b"\x41", _F64(max(s.end, s.start)),
               attributes(b"\x4a", s.attrs)]
-    for t, ename, eattrs in s.events:
+    parts.append(tail(s.events, s.dropped_events, s.error))
+    return b"".join(parts)
+
+
+def tail(events, dropped: int = 0, error: bool = False, trace_state: str = "") -> bytes:
+    """The fields after the attributes: events (11), dropped_events_count (12), status (15), and
+    trace_state (3) when given (field order does not matter to a protobuf reader)."""
+    parts = []
+    for t, ename, eattrs in events:
         ev = b"\x09" + _F64(t) + _ld(b"\x12", ename.encode()) + attributes(b"\x1a", eattrs)
         parts.append(_ld(b"\x5a", ev))
-    if s.dropped_events:
-        parts.append(b"\x60" + varint(s.dropped_events))
-    if s.error:
+    if dropped:
+        parts.append(b"\x60" + varint(dropped))
+    if error:
         parts.append(_ld(b"\x7a", b"\x18\x02"))  # Status{code: STATUS_CODE_ERROR}
+    if trace_state:
+        parts.append(_ld(b"\x1a", trace_state.encode()))
     return b"".join(parts)
+
+
+def event(t: int, name: str, attrs) -> bytes:
+    """One Span.Event field (11), tag included."""
+    return _ld(b"\x5a", b"\x09" + _F64(t) + _ld(b"\x12", name.encode()) + attributes(b"\x1a", attrs))
+
+
+_EVICT_HEAD = _ld(b"\x12", b"kvtrace.evict")
+_HASH_KV = b"\x1a" + varint(len(key_value("kvtrace.block.hash", "0" * 16))) + key_value("kvtrace.block.hash", "0" * 16)[:-16]
+
+
+def evict_event(t: int, block_hash: int, block_id: int, group: int, medium: str) -> bytes:
+    """The kvtrace.evict event of event(): the same bytes, built from cached pieces."""
+    body = (b"\x09" + _F64(t) + _EVICT_HEAD + _HASH_KV + b"%016x" % block_hash +
+            attributes(b"\x1a", (("kvtrace.block.id", block_id), ("kvtrace.block.group", group),
+                                  ("kvtrace.block.medium", medium))))
+    return b"\x5a" + varint(len(body)) + body
 
 
 def resource(attrs) -> bytes:
@@ -126,3 +170,124 @@ def trace_request(resource_attrs, encoded_spans: list[bytes]) -> bytes:
 def resource_attrs(host: str, run: str) -> tuple:
     return (("service.name", "kvtrace"), ("service.version", __version__), ("host.name", host), ("kvtrace.run", run),
             ("telemetry.sdk.name", "kvtrace"), ("telemetry.sdk.language", "python"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Columnar encoding: many spans of one shape (chunk spans, request spans) from numpy columns.
+# Each span's bytes are the same as span() writes, assembled with vectorised numpy: a matrix of
+# fixed-width pieces per row and a mask of the bytes each row uses.
+
+_SHIFTS = np.arange(10, dtype=np.uint64) * np.uint64(7)
+_LIMITS = np.array([1 << (7 * k) for k in range(1, 10)], dtype=np.uint64)
+
+
+def _varint_matrix(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(n, 10) uint8 varint bytes of int64/uint64 values and their lengths."""
+    u = v.astype(np.int64).view(np.uint64) if v.dtype.kind == "i" else v.astype(np.uint64)
+    nb = 1 + (u[:, None] >= _LIMITS[None, :]).sum(axis=1)
+    g = ((u[:, None] >> _SHIFTS[None, :]) & np.uint64(0x7F)).astype(np.uint8)
+    g |= ((np.arange(10)[None, :] < (nb - 1)[:, None]).astype(np.uint8) << 7)
+    return g, nb
+
+
+def _const(b: bytes, n: int) -> np.ndarray:
+    return np.broadcast_to(np.frombuffer(b, np.uint8), (n, len(b)))
+
+
+def _attr_piece(key: str, kind: str, data, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(n, W) bytes and lengths of attribute field 9 (KeyValue) for every row."""
+    kb = key.encode()
+    if len(kb) > 100:
+        raise ValueError(f"attribute key too long for the columnar encoder: {key}")
+    head = b"\x0a" + bytes([len(kb)]) + kb + b"\x12"
+    if kind == "i":
+        g, nb = _varint_matrix(np.asarray(data))
+        m = np.empty((n, 2 + len(head) + 2 + 10), np.uint8)
+        m[:, 0] = 0x4A
+        m[:, 1] = (len(head) + 2 + nb).astype(np.uint8)  # KeyValue length
+        m[:, 2:2 + len(head)] = _const(head, n)
+        m[:, 2 + len(head)] = (1 + nb).astype(np.uint8)  # AnyValue length
+        m[:, 3 + len(head)] = 0x18
+        m[:, 4 + len(head):] = g
+        return m, (4 + len(head) + nb).astype(np.int64)
+    if kind == "d":
+        vals = np.asarray(data, np.float64)
+        m = np.empty((n, 2 + len(head) + 2 + 8), np.uint8)
+        m[:, 0] = 0x4A
+        m[:, 1] = len(head) + 10
+        m[:, 2:2 + len(head)] = _const(head, n)
+        m[:, 2 + len(head)] = 9
+        m[:, 3 + len(head)] = 0x21
+        m[:, 4 + len(head):] = vals.view(np.uint8).reshape(n, 8)
+        return m, np.full(n, m.shape[1], np.int64)
+    if kind == "b":
+        codes, values = np.asarray(data).astype(np.int32), [False, True]
+    else:  # "s": (codes, distinct values)
+        codes, values = data
+    pieces = [b"\x4a" + varint(len(kv)) + kv for kv in (key_value(key, v) for v in values)]
+    w = max(len(p) for p in pieces)
+    table = np.zeros((len(pieces), w), np.uint8)
+    for i, p in enumerate(pieces):
+        table[i, :len(p)] = np.frombuffer(p, np.uint8)
+    lens = np.array([len(p) for p in pieces], np.int64)
+    codes = np.asarray(codes, np.int64)
+    return table[codes], lens[codes]
+
+
+def _ids(hexes, width: int) -> np.ndarray:
+    n = len(hexes)
+    if n == 0:
+        return np.zeros((0, width), np.uint8)
+    return np.frombuffer(bytes.fromhex("".join(hexes)), np.uint8).reshape(n, width)
+
+
+def spans_columnar(name: str, trace_hex, span_hex, parent_hex, start: np.ndarray, end: np.ndarray,
+                   attrs: list, extra: list | None = None, block: int = 4096) -> list[bytes]:
+    """Encode n spans of one name: ids as hex strings ("" parent = root), times as uint64 unix ns,
+    attrs = [(key, kind, data)] with kind "i" (integers), "b" (bools), "d" (floats) or "s"
+    ((codes, distinct strings)); extra = per-row bytes appended (events, status, trace_state)."""
+    n = len(span_hex)
+    out: list[bytes] = []
+    nb = varint(len(name.encode()))
+    name_b = b"\x2a" + nb + name.encode() + b"\x30\x01\x39"
+    for lo in range(0, n, block):
+        hi = min(n, lo + block)
+        k = hi - lo
+        has_parent = np.array([bool(p) for p in parent_hex[lo:hi]])
+        parents = np.zeros((k, 8), np.uint8)
+        if has_parent.any():
+            parents[has_parent] = _ids([p for p in parent_hex[lo:hi] if p], 8)
+        segs = []
+        head = np.empty((k, 38), np.uint8)
+        head[:, 0:2] = (0x0A, 0x10)
+        head[:, 2:18] = _ids(trace_hex[lo:hi], 16)
+        head[:, 18:20] = (0x12, 0x08)
+        head[:, 20:28] = _ids(span_hex[lo:hi], 8)
+        head[:, 28:30] = (0x22, 0x08)
+        head[:, 30:38] = parents
+        segs.append((head, np.where(has_parent, 38, 28)))
+        tm = np.empty((k, len(name_b) + 17), np.uint8)
+        tm[:, :len(name_b)] = _const(name_b, k)
+        s = np.asarray(start[lo:hi], np.uint64)
+        e = np.maximum(np.asarray(end[lo:hi], np.uint64), s)
+        tm[:, len(name_b):len(name_b) + 8] = s.astype("<u8").view(np.uint8).reshape(k, 8)
+        tm[:, len(name_b) + 8] = 0x41
+        tm[:, len(name_b) + 9:] = e.astype("<u8").view(np.uint8).reshape(k, 8)
+        segs.append((tm, np.full(k, tm.shape[1])))
+        for key, kind, data in attrs:
+            if kind == "s":
+                d = (np.asarray(data[0])[lo:hi], data[1])
+            else:
+                d = np.asarray(data)[lo:hi]
+            segs.append(_attr_piece(key, kind, d, k))
+        mat = np.concatenate([m for m, _ in segs], axis=1)
+        mask = np.concatenate([np.arange(m.shape[1])[None, :] < ln[:, None] for m, ln in segs], axis=1)
+        flat = mat[mask].tobytes()
+        lens = np.sum([ln for _, ln in segs], axis=0)
+        ends = np.cumsum(lens).tolist()
+        starts = [0] + ends[:-1]
+        rows = [flat[a:b] for a, b in zip(starts, ends)]
+        if extra is not None:
+            rows = [r + x if x else r for r, x in zip(rows, extra[lo:hi])]
+        out += rows
+    return out

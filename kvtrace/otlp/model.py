@@ -39,7 +39,8 @@ class Span(NamedTuple):
 
 
 def _events(evs: list) -> tuple[tuple, int]:
-    evs = sorted(evs, key=lambda e: (e[0], e[1]))
+    if len(evs) > 1:
+        evs = sorted(evs, key=lambda e: (e[0], e[1]))
     return tuple(evs[:MAX_EVENTS]), max(len(evs) - MAX_EVENTS, 0)
 
 
@@ -74,28 +75,7 @@ def chunk_spans(res, trace_of, offset: int) -> list[Span]:
                 trace, bytes.fromhex(cols["span_id"][i]), bytes.fromhex(cols["parent_span_id"][i]),
                 "kvtrace.prefill_chunk", cols["t_start_ns"][i] + offset, cols["t_end_ns"][i] + offset, (
                     ("kvtrace.request.id", r), ("gen_ai.request.id", ids.external_id(r)),
-                    ("kvtrace.step", cols["step"][i]), ("kvtrace.chunk.index", cols["chunk_index"][i]),
-                    ("kvtrace.chunk.attempt", cols["attempt"][i]),
-                    ("kvtrace.chunk.token_start", cols["token_start"][i]),
-                    ("kvtrace.chunk.token_end", cols["token_end"][i]), ("kvtrace.chunk.tokens", cols["tokens"][i]),
-                    ("kvtrace.chunk.last", cols["last"][i]), ("kvtrace.chunk.resumed", cols["resumed"][i]),
-                    ("kvtrace.chunk.cached_tokens", cols["cached_tokens"][i]),
-                    ("kvtrace.chunk.cached_local_tokens", cols["cached_local"][i]),
-                    ("kvtrace.chunk.cached_external_tokens", cols["cached_external"][i]),
-                    ("kvtrace.chunk.hit_blocks", cols["hit_blocks"][i]),
-                    ("kvtrace.chunk.evicted_blocks", cols["evicted_blocks"][i]),
-                    ("kvtrace.chunk.load_bytes", cols["load_bytes"][i]),
-                    ("kvtrace.chunk.load_blocks", cols["load_blocks"][i]),
-                    ("kvtrace.chunk.load_ns", cols["load_ns"][i]),
-                    ("kvtrace.chunk.storage_wait_ns", cols["storage_wait_ns"][i]),
-                    ("kvtrace.chunk.compute_ns", cols["compute_ns"][i]),
-                    ("kvtrace.chunk.sched_ns", cols["sched_ns"][i]),
-                    ("kvtrace.chunk.bottleneck", cols["bottleneck"][i]),
-                    ("kvtrace.chunk.shared_file_bytes", cols["shared_file_bytes"][i]),
-                    ("kvtrace.chunk.shared_block_bytes", cols["shared_block_bytes"][i]),
-                    ("kvtrace.step.tokens", cols["step_tokens"][i]),
-                    ("process.pid", cols["engine_pid"][i]),
-                ), evs, state, dropped))
+                    *((key, cols[c][i]) for key, c, _ in CHUNK_ATTRS)), evs, state, dropped))
     spans_of_transfer: dict[int, tuple[bytes, bytes, str]] = {}
     for k, t in enumerate(res.transfers):
         r = t["request"]
@@ -138,6 +118,16 @@ def chunk_spans(res, trace_of, offset: int) -> list[Span]:
 
 def request_span(row: dict, acc: Acc, offset: int) -> Span:
     r = row["request"]
+    evs, dropped = request_events(acc, offset)
+    state = acc.arrive["tracestate"] if acc.arrive and row["joined_trace"] else ""
+    return Span(bytes.fromhex(row["trace_id"]), bytes.fromhex(row["span_id"]),
+                bytes.fromhex(row["parent_span_id"]) if row["parent_span_id"] else b"", "kvtrace.request",
+                row["start_ns"] + offset, row["end_ns"] + offset, (
+                    ("kvtrace.request.id", r), ("gen_ai.request.id", row["external_id"]),
+                    *((key, row[c]) for key, c, _ in REQUEST_ATTRS)), evs, state, dropped)
+
+
+def request_events(acc: Acc, offset: int) -> tuple[tuple, int]:
     evs = []
     chunk0 = {c["attempt"]: c["t_start_ns"] for c in acc.chunks if c["chunk_index"] == 0}
     for a in sorted(acc.admits, key=lambda x: x["attempt"]):
@@ -153,25 +143,168 @@ def request_span(row: dict, acc: Acc, offset: int) -> Span:
         evs.append((p["t_ns"] + offset, "kvtrace.preempted", (("kvtrace.preempt.computed_tokens", p["computed_before"]),
                                                              ("kvtrace.preempt.num_tokens", p["num_tokens"]),
                                                              ("kvtrace.preempt.for_request", p["for_request"]))))
-    evs, dropped = _events(evs)
-    state = acc.arrive["tracestate"] if acc.arrive and row["joined_trace"] else ""
-    return Span(bytes.fromhex(row["trace_id"]), bytes.fromhex(row["span_id"]),
-                bytes.fromhex(row["parent_span_id"]) if row["parent_span_id"] else b"", "kvtrace.request",
-                row["start_ns"] + offset, row["end_ns"] + offset, (
-                    ("kvtrace.request.id", r), ("gen_ai.request.id", row["external_id"]),
-                    ("gen_ai.usage.input_tokens", row["prompt_len"]),
-                    ("kvtrace.request.cached_tokens", row["cached_tokens"]),
-                    ("kvtrace.request.cached_local_tokens", row["cached_local"]),
-                    ("kvtrace.request.cached_external_tokens", row["cached_external"]),
-                    ("kvtrace.request.admissions", row["admissions"]),
-                    ("kvtrace.request.preemptions", row["preemptions"]),
-                    ("kvtrace.request.chunks", row["chunks"]),
-                    ("kvtrace.request.evicted_blocks", row["evicted_blocks"]),
-                    ("kvtrace.request.load_bytes", row["load_bytes"]),
-                    ("kvtrace.request.storage_wait_ns", row["storage_wait_ns"]),
-                    ("kvtrace.request.compute_ns", row["compute_ns"]),
-                    ("kvtrace.request.queue_ns", row["queue_ns"]),
-                    ("kvtrace.request.finished", row["finished"]),
-                    ("kvtrace.trace.joined", row["joined_trace"]),
-                    ("process.pid", row["engine_pid"]),
-                ), evs, state, dropped)
+    return _events(evs)
+
+
+# ---------------------------------------------------------------------------------------------
+# The same spans, encoded column-wise (kvtrace.otlp.encode.spans_columnar): what the live sink
+# and export send.  tests/unit/test_otlp.py checks they decode equal to the Span path above.
+
+# (attribute, chunks column, kind): i = integer, b = bool, s = string
+CHUNK_ATTRS = [
+    ("kvtrace.step", "step", "i"), ("kvtrace.chunk.index", "chunk_index", "i"), ("kvtrace.chunk.attempt", "attempt", "i"),
+    ("kvtrace.chunk.token_start", "token_start", "i"), ("kvtrace.chunk.token_end", "token_end", "i"),
+    ("kvtrace.chunk.tokens", "tokens", "i"), ("kvtrace.chunk.last", "last", "b"), ("kvtrace.chunk.resumed", "resumed", "b"),
+    ("kvtrace.chunk.cached_tokens", "cached_tokens", "i"), ("kvtrace.chunk.cached_local_tokens", "cached_local", "i"),
+    ("kvtrace.chunk.cached_external_tokens", "cached_external", "i"), ("kvtrace.chunk.hit_blocks", "hit_blocks", "i"),
+    ("kvtrace.chunk.evicted_blocks", "evicted_blocks", "i"), ("kvtrace.chunk.load_bytes", "load_bytes", "i"),
+    ("kvtrace.chunk.load_blocks", "load_blocks", "i"), ("kvtrace.chunk.load_ns", "load_ns", "i"),
+    ("kvtrace.chunk.storage_wait_ns", "storage_wait_ns", "i"), ("kvtrace.chunk.compute_ns", "compute_ns", "i"),
+    ("kvtrace.chunk.sched_ns", "sched_ns", "i"), ("kvtrace.chunk.bottleneck", "bottleneck", "s"),
+    ("kvtrace.chunk.shared_file_bytes", "shared_file_bytes", "i"),
+    ("kvtrace.chunk.shared_block_bytes", "shared_block_bytes", "i"), ("kvtrace.step.tokens", "step_tokens", "i"),
+    ("process.pid", "engine_pid", "i"),
+]
+REQUEST_ATTRS = [
+    ("gen_ai.usage.input_tokens", "prompt_len", "i"), ("kvtrace.request.cached_tokens", "cached_tokens", "i"),
+    ("kvtrace.request.cached_local_tokens", "cached_local", "i"),
+    ("kvtrace.request.cached_external_tokens", "cached_external", "i"),
+    ("kvtrace.request.admissions", "admissions", "i"), ("kvtrace.request.preemptions", "preemptions", "i"),
+    ("kvtrace.request.chunks", "chunks", "i"), ("kvtrace.request.evicted_blocks", "evicted_blocks", "i"),
+    ("kvtrace.request.load_bytes", "load_bytes", "i"), ("kvtrace.request.storage_wait_ns", "storage_wait_ns", "i"),
+    ("kvtrace.request.compute_ns", "compute_ns", "i"), ("kvtrace.request.queue_ns", "queue_ns", "i"),
+    ("kvtrace.request.finished", "finished", "b"), ("kvtrace.trace.joined", "joined_trace", "b"),
+    ("process.pid", "engine_pid", "i"),
+]
+
+
+def _codes(values: list[str]) -> tuple[list[int], list[str]]:
+    index: dict[str, int] = {}
+    codes = [index.setdefault(v, len(index)) for v in values]
+    return codes, list(index)
+
+
+def encoded_chunk_spans(res, trace_of, offset: int) -> list[bytes]:
+    import numpy as np
+
+    from kvtrace.otlp import encode
+
+    ch = res.chunks
+    n = ch.num_rows
+    if not n:
+        return []
+    ev_by_chunk = _chunk_events_encoded(res, offset)
+    col = lambda c: ch[c].to_numpy(zero_copy_only=False)  # noqa: E731
+    req = ch["request"].to_pylist()
+    rcodes, rvals = _codes(req)
+    bcodes, bvals = _codes(ch["bottleneck"].to_pylist())
+    attrs = [("kvtrace.request.id", "s", (rcodes, rvals)),
+             ("gen_ai.request.id", "s", (rcodes, [ids.external_id(r) for r in rvals]))]
+    for key, c, kind in CHUNK_ATTRS:
+        attrs.append((key, kind, (bcodes, bvals) if c == "bottleneck" else col(c)))
+    extra = None
+    states = {r: trace_of(r)[3] for r in rvals}
+    if ev_by_chunk or any(states.values()):
+        attempts, steps = ch["attempt"].to_pylist(), ch["step"].to_pylist()
+        extra = []
+        for i in range(n):
+            evs = ev_by_chunk.get((req[i], attempts[i], steps[i]))
+            state = states[req[i]]
+            if not evs and not state:
+                extra.append(b"")
+                continue
+            parts = []
+            if evs:
+                if len(evs) > 1:
+                    evs.sort(key=lambda e: (e[0], e[1]))
+                parts = [e[2] for e in evs[:MAX_EVENTS]]
+                if len(evs) > MAX_EVENTS:
+                    parts.append(b"\x60" + encode.varint(len(evs) - MAX_EVENTS))
+            if state:
+                parts.append(encode.tail((), 0, False, state))
+            extra.append(b"".join(parts))
+    start = col("t_start_ns").astype(np.uint64) + np.uint64(offset)
+    end = col("t_end_ns").astype(np.uint64) + np.uint64(offset)
+    return encode.spans_columnar("kvtrace.prefill_chunk", ch["trace_id"].to_pylist(), ch["span_id"].to_pylist(),
+                                 ch["parent_span_id"].to_pylist(), start, end, attrs, extra)
+
+
+def encoded_request_spans(rows: list[dict], accs: list, offset: int) -> list[bytes]:
+    import numpy as np
+
+    from kvtrace.otlp import encode
+
+    if not rows:
+        return []
+    req = [r["request"] for r in rows]
+    rcodes, rvals = _codes(req)
+    attrs = [("kvtrace.request.id", "s", (rcodes, rvals)),
+             ("gen_ai.request.id", "s", (rcodes, [ids.external_id(v) for v in rvals]))]
+    for key, c, kind in REQUEST_ATTRS:
+        attrs.append((key, kind, np.array([r[c] for r in rows], np.int64 if kind == "i" else bool)))
+    extra = []
+    for r, a in zip(rows, accs):
+        evs, dropped = request_events(a, offset)
+        state = a.arrive["tracestate"] if a.arrive and r["joined_trace"] else ""
+        extra.append(encode.tail(evs, dropped, False, state))
+    start = np.array([r["start_ns"] for r in rows], np.uint64) + np.uint64(offset)
+    end = np.array([r["end_ns"] for r in rows], np.uint64) + np.uint64(offset)
+    return encode.spans_columnar("kvtrace.request", [r["trace_id"] for r in rows], [r["span_id"] for r in rows],
+                                 [r["parent_span_id"] for r in rows], start, end, attrs, extra)
+
+
+def _chunk_events(res, offset: int) -> dict:
+    out: dict[tuple, list] = {}
+    for e in res.evicts:
+        if e["chunk"] is not None:
+            out.setdefault((e["request"],) + e["chunk"], []).append(
+                (e["t_ns"] + offset, "kvtrace.evict", (("kvtrace.block.hash", f"{e['block_hash']:016x}"),
+                                                      ("kvtrace.block.id", e["block_id"]),
+                                                      ("kvtrace.block.group", e["group"]),
+                                                      ("kvtrace.block.medium", e["medium"]))))
+    for p in res.preempts:
+        if p["for_chunk"] is not None:
+            out.setdefault((p["for_request"],) + p["for_chunk"], []).append(
+                (p["t_ns"] + offset, "kvtrace.preempt", (("kvtrace.preempt.victim", p["request"]),
+                                                        ("kvtrace.preempt.computed_tokens", p["computed_before"]),
+                                                        ("kvtrace.preempt.num_tokens", p["num_tokens"]))))
+    return out
+
+
+def _chunk_events_encoded(res, offset: int) -> dict:
+    """(request, attempt, step) -> [(time, name, encoded event)]: the events of _chunk_events, encoded."""
+    from kvtrace.otlp import encode
+
+    out: dict[tuple, list] = {}
+    for e in res.evicts:
+        if e["chunk"] is not None:
+            t = e["t_ns"] + offset
+            out.setdefault((e["request"],) + e["chunk"], []).append(
+                (t, "kvtrace.evict", encode.evict_event(t, e["block_hash"], e["block_id"], e["group"], e["medium"])))
+    for p in res.preempts:
+        if p["for_chunk"] is not None:
+            t = p["t_ns"] + offset
+            out.setdefault((p["for_request"],) + p["for_chunk"], []).append(
+                (t, "kvtrace.preempt", encode.event(t, "kvtrace.preempt", (
+                    ("kvtrace.preempt.victim", p["request"]), ("kvtrace.preempt.computed_tokens", p["computed_before"]),
+                    ("kvtrace.preempt.num_tokens", p["num_tokens"])))))
+    return out
+
+
+def encoded_other_spans(res, trace_of, offset: int) -> list[bytes]:
+    """Transfer and kernel I/O spans (fewer): the Span path."""
+    from kvtrace.otlp import encode
+
+    res_no_chunks = _NoChunks(res)
+    return [encode.span(s) for s in chunk_spans(res_no_chunks, trace_of, offset)]
+
+
+class _NoChunks:
+    """A view of a Result without its chunks (chunk_spans then builds only transfers and I/O)."""
+
+    def __init__(self, res):
+        import pyarrow as pa
+
+        self.evicts, self.preempts = [], []
+        self.chunks = pa.table({})
+        self.transfers, self.io_groups = res.transfers, res.io_groups

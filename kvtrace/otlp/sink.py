@@ -10,15 +10,25 @@ from kvtrace.correlate.live import LiveCorrelator
 from kvtrace.otlp import encode
 from kvtrace.otlp.exporter import Exporter
 from kvtrace.otlp.metrics import Metrics
-from kvtrace.otlp.model import Span, chunk_spans, request_span
+from kvtrace.otlp.model import (Span, chunk_spans, encoded_chunk_spans, encoded_other_spans, encoded_request_spans,
+                                request_span)
 from kvtrace.correlate.requests import request_row
 
 
 def spans_of_pass(res, closed, trace_of, run: str, offset: int) -> list[Span]:
+    """The spans of one correlation pass as Span tuples (the reference path; tests)."""
     spans = chunk_spans(res, trace_of, offset)
     for acc in closed:
         spans.append(request_span(request_row(run, acc), acc, offset))
     return spans
+
+
+def encoded_spans_of_pass(res, closed, trace_of, run: str, offset: int) -> list[bytes]:
+    """The same spans, encoded (chunk and request spans column-wise): what is sent."""
+    out = encoded_chunk_spans(res, trace_of, offset)
+    out += encoded_other_spans(res, trace_of, offset)
+    out += encoded_request_spans([request_row(run, a) for a in closed], closed, offset)
+    return out
 
 
 class OtlpSink:
@@ -48,9 +58,9 @@ class OtlpSink:
 
     def _advance(self, now: int | None) -> None:
         res, closed = self.live.advance(now)
-        spans = spans_of_pass(res, closed, self.live.trace_of, self.run, self.offset)
+        spans = encoded_spans_of_pass(res, closed, self.live.trace_of, self.run, self.offset)
         if spans:
-            self.exporter.submit([encode.span(s) for s in spans])
+            self.exporter.submit(spans)
             self.spans += len(spans)
         self.metrics.add(res)
         wall = (now if now is not None else time.monotonic_ns()) + self.offset
@@ -90,7 +100,7 @@ class OtlpSink:
 def replay(root, url: str, protocol: str, run: str | None = None, exporter_kw: dict | None = None,
            progress=None) -> tuple[list, list[dict]]:
     """Send a recorded dataset's spans and metrics; returns (exporters' stats, per-run counts)."""
-    from kvtrace.correlate.derive import correlate_dataset
+    from kvtrace.correlate.derive import correlate_dataset, no_gc
 
     out = []
     stats = []
@@ -98,9 +108,10 @@ def replay(root, url: str, protocol: str, run: str | None = None, exporter_kw: d
         info = rc.info
         resource = encode.resource_attrs(info.host, info.run)
         trace_of = lambda r, t=rc.traces, i=info: t.get(r) or _fallback(i.run, r)  # noqa: E731
-        spans = spans_of_pass(rc.result, rc.accs, trace_of, info.run, info.clock_offset_ns)
+        with no_gc():
+            enc = encoded_spans_of_pass(rc.result, rc.accs, trace_of, info.run, info.clock_offset_ns)
+        spans = enc
         exp = Exporter(url, protocol, resource, **(exporter_kw or {"max_queue": 1 << 30, "max_queue_bytes": 1 << 40}))
-        enc = [encode.span(s) for s in spans]
         exp.submit(enc)
         metrics = Metrics(info.start_ns + info.clock_offset_ns)
         metrics.add(rc.result)
