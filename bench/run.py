@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHES = ["capacity"]
+BENCHES = ["capacity", "correlate"]
 
 
 def machine() -> str:
@@ -45,6 +45,8 @@ def markdown(results: dict) -> str:
     ]
     for r in cap["rates"]:
         lines.append(f"| {r['target_rate']} | {r['producer_rate']:,} | {r['decoded_per_s']:,} | {r['lost']:,} | {r['accounted']} |")
+    if "correlate" in results:
+        lines += correlate_markdown(results["correlate"])
     return "\n".join(lines) + "\n"
 
 
@@ -69,3 +71,24 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def correlate_markdown(c: dict) -> list[str]:
+    g, h = c["export_grpc"], c["export_http"]
+    return [
+        "",
+        f"## Correlation and OTLP export ({c['events']:,} recorded events, {c['requests']:,} requests, "
+        f"{c['chunks']:,} chunks, {c['spans']:,} spans; load average {c['load_average']:.1f})",
+        "",
+        "| stage | per wall second | per CPU second |",
+        "|---|---|---|",
+        f"| correlation (events) | {c['events_per_s']:,} | {c['events_per_cpu_s']:,} |",
+        f"| span build + encode (spans) | {c['build_and_encode_spans_per_s']:,} | {c['build_and_encode_spans_per_cpu_s']:,} |",
+        f"| export over gRPC (spans) | {g['spans_per_s']:,} | {g['spans_per_cpu_s']:,} |",
+        f"| export over HTTP/protobuf (spans) | {h['spans_per_s']:,} | {h['spans_per_cpu_s']:,} |",
+        f"| encode + export, end to end (spans) | | gRPC {c['end_to_end_spans_per_cpu_s']['grpc']:,}, "
+        f"HTTP {c['end_to_end_spans_per_cpu_s']['http']:,} |",
+        "",
+        f"- peak RSS {c['peak_rss_mib']} MiB (the whole recorded run in memory: {c['rss_before_correlation_mib']} MiB "
+        f"before correlating); encoded spans {c['encoded_bytes_mib']} MiB; dropped gRPC {g['dropped']}, HTTP {h['dropped']}",
+    ]
