@@ -1,0 +1,326 @@
+"""Run the analysis' SQL on one engine and assemble the report (a dict: the --json output).
+
+Every ratio is computed here from integer sums the engine returned, so DuckDB and Spark give
+the same report; floats are rounded to 6 decimals and integral floats become ints.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from kvtrace.analysis import load, queries
+from kvtrace.analysis.engine import make
+from kvtrace.errors import DatasetError
+
+MAX_CHUNK_ROWS = 200_000  # per-chunk rows kept in the report (the figures use all of them)
+
+
+def _norm(v):
+    if isinstance(v, float):
+        if v != v:  # NaN
+            return None
+        if v.is_integer() and abs(v) < 2 ** 53:
+            return int(v)
+        return round(v, 6)
+    if isinstance(v, dict):
+        return {k: _norm(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_norm(x) for x in v]
+    return v
+
+
+def _ratio(a, b):
+    return (a / b) if b else None
+
+
+def _rate_ps(n, ns):
+    return (n / (ns / 1e9)) if ns else None
+
+
+class Runner:
+    def __init__(self, inp: load.Inputs, engine: str = "duckdb", master: str | None = None, block_size: int = 0):
+        self.inp = inp
+        self.engine_name = engine
+        self.master = master
+        self.block_size = block_size
+        self.eng = None
+
+    def _setup(self) -> None:
+        self.eng = make(self.engine_name, self.master)
+        self.eng.register(self.inp)
+        for name, sql in queries.views(self.block_size):
+            self.eng.create(name, sql)
+
+    def run(self) -> dict[str, list[dict]]:
+        """All figures' rows; a file whose pages an engine cannot decode is found, left out, and the run repeated."""
+        for attempt in range(2):
+            try:
+                self._setup()
+                return {name: self.eng.rows(sql) for name, sql in queries.FIGURES.items()}
+            except DatasetError:
+                raise
+            except Exception as e:
+                if attempt:
+                    raise DatasetError(f"the analysis failed on {self.inp.root}: {str(e).splitlines()[0][:300]}") from None
+                bad = load.find_unreadable(self.inp)
+                if not bad:
+                    raise DatasetError(f"the analysis failed on {self.inp.root}: {str(e).splitlines()[0][:300]}") from None
+                for table, path, why in bad:
+                    self.inp.files[table] = [p for p in self.inp.files[table] if p != path]
+                    self.inp.gaps.append(f"{path}: corrupt ({why}); its rows of {table} are left out")
+                    if not self.inp.files[table]:
+                        self.inp.files.pop(table)
+                lacking = [t for t in load.REQUIRED if not self.inp.has(t)]
+                if lacking:
+                    raise DatasetError(f"{self.inp.root}: no readable {', '.join(lacking)} table left "
+                                       f"({'; '.join(str(p) for _, p, _ in bad)} could not be read)") from None
+            finally:
+                if self.eng is not None and attempt == 0:
+                    pass
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        if self.eng is not None:
+            self.eng.close()
+
+
+def analyze(directory, engine: str = "duckdb", master: str | None = None, block_size: int = 0) -> dict:
+    t0 = time.monotonic()
+    inp = load.scan(directory)
+    r = Runner(inp, engine, master, block_size)
+    try:
+        rows = r.run()
+    finally:
+        r.close()
+    rep = build(rows, inp)
+    rep["engine"] = engine
+    rep["dataset"] = str(Path(directory))
+    rep["elapsed_s"] = round(time.monotonic() - t0, 3)
+    return rep
+
+
+def build(rows: dict[str, list[dict]], inp: load.Inputs) -> dict:
+    one = {k: (v[0] if v else {}) for k, v in rows.items()}
+    gaps = list(inp.gaps)
+    rep: dict = {"gaps": gaps}
+
+    # ---- block size ----
+    sizes = sorted({r["bs"] for r in rows["block_size"] if r["bs"]})
+    rep["block_size"] = sizes[0] if len(sizes) == 1 else (sizes or None)
+    if not sizes:
+        gaps.append("block size unknown (no prompt_blocks records and no local hit): give --block-size for the "
+                    "partial-block, in-flight and eviction figures")
+
+    # ---- KV reuse at first admission ----
+    h = one["hit_overall"]
+    pt = h.get("prompt_tokens") or 0
+    ra, lc = one["readmit"], one["later_chunks"]
+    reuse = {
+        "requests": h.get("requests", 0), "prompt_tokens": pt,
+        "hit_tokens": (h.get("hit_local") or 0) + (h.get("hit_external") or 0),
+        "hit_local": h.get("hit_local") or 0, "hit_external": h.get("hit_external") or 0,
+        "hit_rate": _ratio((h.get("hit_local") or 0) + (h.get("hit_external") or 0), pt),
+        "local_rate": _ratio(h.get("hit_local") or 0, pt), "external_rate": _ratio(h.get("hit_external") or 0, pt),
+        "not_counted": {
+            "readmissions": ra.get("readmissions", 0), "readmission_reused_tokens": ra.get("reused_tokens", 0),
+            "recomputed_after_preemption_tokens": ra.get("recomputed_tokens", 0),
+            "later_chunks": lc.get("chunks", 0), "later_chunk_tokens": lc.get("tokens", 0),
+        },
+    }
+    reuse["per_request"] = [
+        {**r, "hit_rate": _ratio(r["cached_local"] + r["cached_external"], r["prompt_len"])} for r in rows["hit_requests"]]
+    reuse["by_chunk_index"] = [
+        {**r, "hit_share": _ratio(r["hit"], r["hit"] + r["computed"])} for r in rows["hit_by_index"]]
+    reuse["by_first_chunk_size"] = [
+        {"first_chunk_tokens_le": r["bucket"], "requests": r["requests"], "prompt_tokens": r["prompt_tokens"],
+         "hit_tokens": r["hit"], "hit_rate": _ratio(r["hit"], r["prompt_tokens"])} for r in rows["hit_by_size"]]
+    rep["reuse"] = reuse
+
+    # ---- chunking versus blocks ----
+    pb, tails = one["partial_blocks"], one["prompt_tails"]
+    infl = rows["inflight"]
+    outc = {r["outcome"]: r for r in rows["reref_outcome"]}
+    ev = one["evictions"].get("evictions", 0)
+    dist = one["reref_dist"]
+    lost = outc.get("lost", {})
+    rep["chunking"] = {
+        "partial_blocks": {"chunks_not_last": pb.get("chunks_not_last", 0), "mid_block_ends": pb.get("mid_block_ends", 0),
+                           "partial_tokens": pb.get("partial_tokens", 0)},
+        "prompt_tails": {"requests": tails.get("requests", 0), "with_tail": tails.get("with_tail", 0),
+                         "tail_tokens": tails.get("tail_tokens", 0)},
+        "inflight": {"requests": len(infl), "missed_tokens": sum(r["missed_tokens"] for r in infl),
+                     "missed_rate": _ratio(sum(r["missed_tokens"] for r in infl), pt), "rows": infl},
+        "evictions": {
+            "evictions": ev, "rereferenced": sum(r["blocks"] for r in outc.values()),
+            "outcomes": {k: {"blocks": v["blocks"], "tokens": v["tokens"]} for k, v in outc.items()},
+            "thrash_blocks": lost.get("blocks", 0), "thrash_tokens": lost.get("tokens", 0),
+            "thrash_rate": _ratio(lost.get("blocks", 0), ev),
+            "distance": {k: dist.get(k) for k in ("n", "dt_p50", "dt_p90", "dt_p99", "steps_p50", "steps_p90", "dt_min", "dt_max")},
+            "histogram": rows["reref_hist"],
+        },
+    }
+
+    # ---- time per chunk ----
+    ct = one["chunk_time"]
+    queueing = (ct.get("queue_ns") or 0) + (ct.get("sched_ns") or 0)
+    comp = {"compute": ct.get("compute_ns") or 0, "storage": ct.get("storage_ns") or 0, "queueing": queueing}
+    total = sum(comp.values())
+    counts = {r["verdict"]: r["chunks"] for r in rows["chunk_verdicts"]}
+    chunk_rows = rows["chunks"]
+    timing = {
+        "chunks": ct.get("chunks", 0), "total_ns": total,
+        "components_ns": {**comp, "queue_ns": ct.get("queue_ns") or 0, "sched_ns": ct.get("sched_ns") or 0,
+                          "recompute_ns": ct.get("recompute_ns") or 0},
+        "shares": {k: _ratio(v, total) for k, v in comp.items()},
+        "verdict_counts": counts, "chunks_waiting_on_storage": ct.get("chunks_waiting", 0),
+        "per_chunk": chunk_rows[:MAX_CHUNK_ROWS], "per_chunk_truncated": len(chunk_rows) > MAX_CHUNK_ROWS,
+    }
+    rep["timing"] = timing
+
+    # ---- reload versus recompute ----
+    rl, rc = one["reload"], one["recompute"]
+    if rc.get("pure_tokens"):
+        rc_ns, rc_tok, basis = rc["pure_ns"], rc["pure_tokens"], f"{rc['pure_steps']} prefill-only steps"
+    else:
+        rc_ns, rc_tok, basis = rc.get("all_ns") or 0, rc.get("all_tokens") or 0, f"{rc.get('steps', 0)} steps with prefill (decode tokens included)"
+    reload_pt = _ratio(rl.get("load_ns") or 0, rl.get("tokens") or 0)
+    recompute_pt = _ratio(rc_ns, rc_tok)
+    per_chunk = []
+    for r in rows["reload_chunks"]:
+        tok = (r["blocks"] or 0) * (r["bs"] or 0)
+        per_chunk.append({**r, "reload_ns_per_token": _ratio(r["load_ns"], tok),
+                          "compute_ns_per_token": _ratio(r["compute_ns"], r["step_tokens"])})
+    rep["reload_vs_recompute"] = {
+        "reload": {"requests": rl.get("requests", 0), "loads": rl.get("loads", 0), "tokens": rl.get("tokens", 0),
+                   "blocks": rl.get("blocks", 0), "bytes": rl.get("bytes", 0), "load_ns": rl.get("load_ns", 0),
+                   "ns_per_token": reload_pt},
+        "recompute": {"tokens": rc_tok, "compute_ns": rc_ns, "ns_per_token": recompute_pt, "basis": basis},
+        "speedup": _ratio(recompute_pt, reload_pt) if reload_pt and recompute_pt else None,
+        "saved_ns": ((recompute_pt - reload_pt) * (rl.get("tokens") or 0)) if reload_pt and recompute_pt else None,
+        "per_chunk": per_chunk,
+    }
+
+    # ---- prefetch opportunity ----
+    pf = {r["outcome"]: r for r in rows["prefetch"]}
+    pa = one["prefetch_arrival"]
+    per_block = next((r["per_block_ns"] for r in pf.values() if r.get("per_block_ns")), None)
+    rep["prefetch"] = {
+        "read_ns_per_block": per_block,
+        "by_outcome": {k: {"blocks": v["blocks"], "blocks_with_time": v["blocks_with_time"] if per_block else None,
+                           "hideable_ns": v["hideable_ns"] if per_block else None} for k, v in pf.items()},
+        "reloaded_hideable_ns": (pf.get("reloaded", {}).get("hideable_ns") if per_block else None),
+        "lost_prefetchable_ns": (pf.get("lost", {}).get("hideable_ns") if per_block else None),
+        "from_arrival": {"requests": pa.get("requests", 0), "load_ns": pa.get("load_ns", 0),
+                         "hideable_ns": pa.get("hideable_ns", 0)},
+    }
+    if per_block is None and outc:
+        gaps.append("no per-request KV loads: prefetch figures give re-reference distances only, no read latency to set them against")
+
+    # ---- storage ----
+    def dev_rows(rs, count_key):
+        out = []
+        for r in rs:
+            span = (r["t1"] or 0) - (r["t0"] or 0)
+            out.append({**r, "window_ns": span, "iops": _rate_ps(r[count_key], span), "bytes_per_s": _rate_ps(r["bytes"] or 0, span),
+                        "queue_depth": _ratio(r["busy_ns"] or 0, span)})
+        return out
+
+    rep["storage"] = {"block_io": dev_rows(rows["block_io"], "ios"), "nvme": dev_rows(rows["nvme"], "commands"),
+                      "files": dev_rows(rows["file_reads"], "reads"), "kv_transfers": rows["kv_transfers"],
+                      "nic_during_slow_chunks": rows["nic_slow"]}
+
+    # ---- service ----
+    win = rows["window"]
+    window_ns = sum((r["t1"] or 0) - (r["t0"] or 0) for r in win)
+    out_tokens = sum(r["decode_tokens"] or 0 for r in win) + (one["first_tokens"].get("n") or 0)
+    tt = one["ttft"]
+    rb = one["read_bytes"]
+    read_bytes = {k: rb.get(k) or 0 for k in ("kv_load_bytes", "block_read_bytes", "file_read_bytes")}
+    rep["service"] = {
+        "window_ns": window_ns, "steps": sum(r["steps"] for r in win),
+        "requests": tt.get("requests", 0), "ttft_from_arrival": tt.get("from_arrival", 0),
+        "ttft_p50_ns": tt.get("ttft_p50"), "ttft_p90_ns": tt.get("ttft_p90"), "ttft_p99_ns": tt.get("ttft_p99"),
+        "ttft_max_ns": tt.get("ttft_max"), "ttft_mean_ns": _ratio(tt.get("ttft_sum") or 0, tt.get("requests") or 0),
+        "prompt_tokens": pt, "output_tokens": out_tokens,
+        "prompt_tokens_per_s": _rate_ps(pt, window_ns), "output_tokens_per_s": _rate_ps(out_tokens, window_ns),
+        "tokens_per_s": _rate_ps(pt + out_tokens, window_ns),
+        "read_bytes": read_bytes, "storage_read_gb_per_s": {k: (_rate_ps(v, window_ns) or 0) / 1e9 for k, v in read_bytes.items()},
+        "preemptions": sum(r["preemptions"] or 0 for r in win),
+        "ttft_per_request": rows["ttft_requests"],
+    }
+    if tt.get("requests") and tt.get("from_arrival", 0) < tt["requests"]:
+        gaps.append(f"{tt['requests'] - tt['from_arrival']} of {tt['requests']} requests have no arrival time: "
+                    "their TTFT starts at their first step")
+
+    rep["metrics"] = metrics_note(rows["metrics"], reuse)
+    rep["verdict"] = verdict(rep)
+    rep["headline"] = headline(rep)
+    return _norm(rep)
+
+
+def metrics_note(mrows: list[dict], reuse: dict) -> dict:
+    m = {r["name"]: r["rise"] for r in mrows}
+    if not m:
+        return {"available": False}
+    hits, queries_ = m.get("vllm:prefix_cache_hits_total"), m.get("vllm:prefix_cache_queries_total")
+    ext = m.get("vllm:external_prefix_cache_hits_total") or 0
+    rate = _ratio(hits or 0, queries_ or 0)
+    why = []
+    if queries_ is not None and queries_ != reuse["prompt_tokens"]:
+        why.append(f"/metrics queried {queries_:,.0f} prompt tokens against {reuse['prompt_tokens']:,} in the hook's "
+                   "admissions: its counters cover every request between the first and last scrape, including ones "
+                   "admitted before the hook was attached or after it stopped")
+    if hits is not None and hits != reuse["hit_local"]:
+        why.append(f"/metrics hits {hits:,.0f} vs the hook's first-admission local hits {reuse['hit_local']:,}")
+    if reuse["hit_external"] or ext:
+        why.append("vllm:prefix_cache_hits counts the local prefix cache only; connector (storage) hits are in "
+                   f"vllm:external_prefix_cache_hits ({ext:,.0f}), which kvtrace's rate includes")
+    why.append("re-admissions after preemption are in neither figure (vLLM keeps them in stats it does not export)")
+    return {"available": True, "rises": m, "local_hit_rate": rate,
+            "combined_hit_rate": _ratio((hits or 0) + ext, queries_ or 0), "why_different": why}
+
+
+def verdict(rep: dict) -> dict:
+    t = rep["timing"]
+    comp = t["components_ns"]
+    main = {k: comp[k] for k in ("compute", "storage", "queueing")}
+    if not t["chunks"] or not sum(main.values()):
+        return {"bottleneck": None, "evidence": ["no timed chunks"]}
+    which = max(main, key=lambda k: (main[k], k == "storage"))
+    sh = t["shares"]
+    ev = [f"{k} {main[k] / 1e9:.3f} s = {100 * (sh[k] or 0):.1f}% of chunk time over {t['chunks']} chunks"
+          for k in sorted(main, key=lambda k: -main[k])]
+    vc = t["verdict_counts"]
+    ev.append("chunks by verdict: " + ", ".join(f"{k} {v}" for k, v in sorted(vc.items(), key=lambda kv: -kv[1])))
+    rr = rep["reload_vs_recompute"]
+    if rr["reload"]["ns_per_token"] and rr["recompute"]["ns_per_token"]:
+        ev.append(f"reload {rr['reload']['ns_per_token'] / 1e3:.2f} µs/token vs recompute "
+                  f"{rr['recompute']['ns_per_token'] / 1e3:.2f} µs/token ({rr['recompute']['basis']}): "
+                  f"storage is {rr['speedup']:.2f}× {'faster' if rr['speedup'] >= 1 else 'slower'} than recomputing")
+    if t["chunks_waiting_on_storage"]:
+        ev.append(f"{t['chunks_waiting_on_storage']} chunks waited on KV loads in their step")
+    if comp.get("recompute_ns"):
+        ev.append(f"recompute after preemption: {comp['recompute_ns'] / 1e9:.3f} s of compute "
+                  f"({rep['reuse']['not_counted']['recomputed_after_preemption_tokens']:,} tokens)")
+    if which == "queueing":
+        ev.append(f"queueing is {comp['queue_ns'] / 1e9:.3f} s waiting for a step (arrival or previous chunk to step "
+                  f"start) plus {comp['sched_ns'] / 1e9:.3f} s in schedule()")
+    return {"bottleneck": which, "evidence": ev}
+
+
+def headline(rep: dict) -> list[str]:
+    r, c = rep["reuse"], rep["chunking"]
+    out = []
+    if r["hit_rate"] is not None:
+        out.append(f"KV reuse: {100 * r['hit_rate']:.2f}% of {r['prompt_tokens']:,} prompt tokens hit at admission "
+                   f"({100 * (r['local_rate'] or 0):.2f}% local prefix cache, {100 * (r['external_rate'] or 0):.2f}% storage)")
+    inf, ev = c["inflight"], c["evictions"]
+    out.append(f"chunking: {c['partial_blocks']['mid_block_ends']} of {c['partial_blocks']['chunks_not_last']} non-final chunks "
+               f"ended mid-block ({c['partial_blocks']['partial_tokens']:,} tokens in partial blocks); "
+               f"{inf['missed_tokens']:,} tokens missed because a shared prefix was still being computed")
+    out.append(f"evictions: {ev['evictions']:,}; {ev['rereferenced']:,} evicted blocks were needed again, "
+               f"{ev['thrash_blocks']:,} of them recomputed (thrash, {ev['thrash_tokens']:,} tokens)")
+    v = rep["verdict"]
+    if v["bottleneck"]:
+        out.append(f"bottleneck: {v['bottleneck']} ({v['evidence'][0]})")
+    return out
