@@ -18,7 +18,9 @@ PORTS = range(4400, 4500)
 
 
 def free_port(avoid=()) -> int:
-    for p in PORTS:
+    import random
+
+    for p in random.sample(PORTS, len(PORTS)):
         if p in avoid:
             continue
         with socket.socket() as s:
@@ -152,7 +154,15 @@ class Receiver:
                                 options=[("grpc.max_receive_message_length", 256 << 20)])
         tsg.add_TraceServiceServicer_to_server(Traces(), self.grpc)
         msg.add_MetricsServiceServicer_to_server(Metrics(), self.grpc)
-        self.grpc.add_insecure_port(f"127.0.0.1:{self.grpc_port}")
+        for _ in range(20):  # another process may take a free port before we bind it
+            try:
+                if self.grpc.add_insecure_port(f"127.0.0.1:{self.grpc_port}"):
+                    break
+            except RuntimeError:
+                pass
+            self.grpc_port = free_port(avoid=(self.grpc_port, self.http_port))
+        else:
+            raise RuntimeError("could not bind a gRPC port in 4400-4499")
         self.grpc.start()
 
     # -- HTTP/protobuf -------------------------------------------------------------------------
@@ -191,7 +201,14 @@ class Receiver:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.http = ThreadingHTTPServer(("127.0.0.1", self.http_port), H)
+        for _ in range(20):
+            try:
+                self.http = ThreadingHTTPServer(("127.0.0.1", self.http_port), H)
+                break
+            except OSError:
+                self.http_port = free_port(avoid=(self.grpc_port, self.http_port))
+        else:
+            raise RuntimeError("could not bind an HTTP port in 4400-4499")
         self.http.daemon_threads = True
         self.http_thread = threading.Thread(target=self.http.serve_forever, daemon=True)
         self.http_thread.start()

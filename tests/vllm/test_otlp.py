@@ -218,6 +218,13 @@ def test_numbers_match_vllm(capture):
     assert load.parent_id == chunk0.span_id and chunk0.attrs["kvtrace.chunk.storage_wait_ns"] > 0
     evicted = sum(r["evicted_blocks"] for r in reqs.values())
     assert evicted > 0 and evicted == sum(s.attrs["kvtrace.chunk.evicted_blocks"] for s in by_name(c["live"])["kvtrace.prefill_chunk"])
+    kinds = {k: len(v) for k, v in by_name(c["live"]).items()}
+    print("kvtrace otlp check:", json.dumps({
+        "requests": len(reqs), "spans": kinds, "evicted_blocks": evicted, "llm_request_spans": len(c["vllm"]),
+        "A2": {k: a2[k] for k in ("cached_tokens", "cached_external", "load_count", "load_bytes", "load_ns",
+                                  "storage_wait_ns", "chunks")},
+        "A2_file_reads": {k: fio.attrs[k] for k in ("kvtrace.io.count", "kvtrace.io.files", "kvtrace.io.bytes")},
+        "cached": {n: reqs[f"cmpl-{n}-0"]["cached_tokens"] for n in c["sent"]}}))
 
 
 def test_kvtrace_spans_join_vllms_trace(capture):
