@@ -15,7 +15,7 @@ def cli() -> None:
     """Trace KV-cache reuse, eviction and storage I/O of LLM serving (vLLM) with eBPF."""
 
 
-COMMANDS = ("doctor", "attach", "summary", "servers", "correlate", "export")
+COMMANDS = ("doctor", "attach", "summary", "servers", "correlate", "export", "analyze", "whatif")
 
 
 def _register() -> None:

@@ -114,6 +114,12 @@ SIZE_BUCKET = ("CASE WHEN {x} <= 32 THEN 32 WHEN {x} <= 64 THEN 64 WHEN {x} <= 1
 DT_BUCKET = ("CASE WHEN {x} < 1000000 THEN '<1ms' WHEN {x} < 10000000 THEN '1-10ms' WHEN {x} < 100000000 THEN '10-100ms' "
              "WHEN {x} < 1000000000 THEN '0.1-1s' WHEN {x} < 10000000000 THEN '1-10s' ELSE '>=10s' END")
 
+# latency buckets (upper edge in µs; 1000000 = above 100 ms)
+LAT_BUCKET = ("CASE WHEN {x} < 50000 THEN 50 WHEN {x} < 100000 THEN 100 WHEN {x} < 200000 THEN 200 "
+              "WHEN {x} < 500000 THEN 500 WHEN {x} < 1000000 THEN 1000 WHEN {x} < 2000000 THEN 2000 "
+              "WHEN {x} < 5000000 THEN 5000 WHEN {x} < 10000000 THEN 10000 WHEN {x} < 20000000 THEN 20000 "
+              "WHEN {x} < 50000000 THEN 50000 WHEN {x} < 100000000 THEN 100000 ELSE 1000000 END")
+
 FIGURES: dict[str, str] = {
     # ---- KV reuse, counted at first admission only ----
     "hit_overall": """SELECT COUNT(*) AS requests, COALESCE(SUM(prompt_len), 0) AS prompt_tokens,
@@ -214,6 +220,16 @@ FIGURES: dict[str, str] = {
                (SELECT COUNT(*) FROM slow) AS slow_steps, (SELECT SUM(t_end_ns - t_start_ns) FROM slow) AS slow_ns
         FROM alln a LEFT JOIN during d ON d.device = a.device AND d.name = a.name
         WHERE a.delta > 0 ORDER BY a.device, a.name""",
+    "lat_hist": f"""SELECT source, device, bucket, COUNT(*) AS n FROM (
+          SELECT 'block' AS source, disk AS device, {LAT_BUCKET.format(x='latency_ns')} AS bucket FROM block_io
+          WHERE op = 'R' AND (error = 0 OR error IS NULL)
+          UNION ALL SELECT 'nvme' AS source, ctrl || ' q' || CAST(qid AS STRING) AS device,
+                 {LAT_BUCKET.format(x='latency_ns')} AS bucket FROM nvme_cmd
+          UNION ALL SELECT 'file' AS source, regexp_extract(path, '^(.*)/', 1) AS device,
+                 {LAT_BUCKET.format(x='latency_ns')} AS bucket FROM file_io
+          WHERE syscall IN {READS} AND ret >= 0 AND {STORAGE_PATH}
+          UNION ALL SELECT 'kv_load' AS source, source AS device, {LAT_BUCKET.format(x='t_end_ns - t_start_ns')} AS bucket
+          FROM kv_load WHERE request <> '') t GROUP BY source, device, bucket ORDER BY source, device, bucket""",
     # ---- reload versus recompute ----
     "reload": """SELECT COUNT(*) AS requests, COALESCE(SUM(l.n), 0) AS loads, COALESCE(SUM(l.load_ns), 0) AS load_ns,
         COALESCE(SUM(l.blocks), 0) AS blocks, COALESCE(SUM(l.blocks * z.bs), 0) AS tokens, COALESCE(SUM(l.bytes), 0) AS bytes

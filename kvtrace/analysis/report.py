@@ -227,7 +227,7 @@ def build(rows: dict[str, list[dict]], inp: load.Inputs) -> dict:
 
     rep["storage"] = {"block_io": dev_rows(rows["block_io"], "ios"), "nvme": dev_rows(rows["nvme"], "commands"),
                       "files": dev_rows(rows["file_reads"], "reads"), "kv_transfers": rows["kv_transfers"],
-                      "nic_during_slow_chunks": rows["nic_slow"]}
+                      "nic_during_slow_chunks": rows["nic_slow"], "latency_histogram": rows["lat_hist"]}
 
     # ---- service ----
     win = rows["window"]

@@ -1,0 +1,328 @@
+"""The report for people: rich tables in the terminal, or one self-contained HTML page whose
+plots are inline SVG drawn here (no scripts, no network: it opens anywhere, headless too)."""
+from __future__ import annotations
+
+import html
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+COLORS = {"compute": "#4e79a7", "recompute": "#9c755f", "storage": "#e15759", "queueing": "#f28e2b",
+          "sched": "#edc948", "lost": "#e15759", "reloaded": "#59a14f", "restored": "#76b7b2", "hit": "#59a14f",
+          "computed": "#bab0ac"}
+
+
+def pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.2f}%"
+
+
+def ms(ns) -> str:
+    return "-" if ns is None else f"{ns / 1e6:.3f}"
+
+
+def num(x) -> str:
+    if x is None:
+        return "-"
+    return f"{x:,}" if isinstance(x, int) else f"{x:,.3f}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Terminal
+
+
+def terminal(rep: dict, console: Console | None = None, rows: int = 10) -> None:
+    c = console or Console()
+    c.print(f"[bold]kvtrace analysis[/] of {rep['dataset']} ({rep['engine']}, {rep['elapsed_s']} s)")
+    for line in rep["headline"]:
+        c.print(f"  • {line}")
+    r = rep["reuse"]
+    t = Table(title="KV reuse (token-weighted, counted at first admission only)")
+    for col in ("requests", "prompt tokens", "hit tokens", "hit rate", "local", "storage", "not counted as hits"):
+        t.add_column(col, justify="right")
+    nc = r["not_counted"]
+    t.add_row(num(r["requests"]), num(r["prompt_tokens"]), num(r["hit_tokens"]), pct(r["hit_rate"]), pct(r["local_rate"]),
+              pct(r["external_rate"]),
+              f"{nc['readmission_reused_tokens']:,} reused at {nc['readmissions']} re-admissions, "
+              f"{nc['later_chunk_tokens']:,} in {nc['later_chunks']} later chunks")
+    c.print(t)
+    t = Table(title="Hit rate by chunk index (first admissions)")
+    for col in ("chunk index", "chunks", "computed", "hit credited", "hit share"):
+        t.add_column(col, justify="right")
+    for x in r["by_chunk_index"][:rows]:
+        t.add_row(str(x["chunk_index"]), num(x["chunks"]), num(x["computed"]), num(x["hit"]), pct(x["hit_share"]))
+    c.print(t)
+    ch = rep["chunking"]
+    pb, inf, ev = ch["partial_blocks"], ch["inflight"], ch["evictions"]
+    t = Table(title=f"Chunking versus blocks (block size {rep['block_size']})")
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    t.add_row("non-final chunks ending mid-block", f"{pb['mid_block_ends']:,} of {pb['chunks_not_last']:,}")
+    t.add_row("tokens in partial blocks at chunk ends", num(pb["partial_tokens"]))
+    t.add_row("prompt tail tokens (never cached)", num(ch["prompt_tails"]["tail_tokens"]))
+    t.add_row("tokens missed: prefix still being computed by an in-flight request",
+              f"{inf['missed_tokens']:,} ({inf['requests']} requests, {pct(inf['missed_rate'])} of prompt tokens)")
+    t.add_row("evictions / evicted blocks needed again", f"{ev['evictions']:,} / {ev['rereferenced']:,}")
+    for k, v in sorted(ev["outcomes"].items()):
+        t.add_row(f"  re-referenced and {k}", f"{v['blocks']:,} blocks ({v['tokens']:,} tokens)")
+    d = ev["distance"]
+    t.add_row("eviction → re-reference p50 / p90 / p99 (ms)", f"{ms(d['dt_p50'])} / {ms(d['dt_p90'])} / {ms(d['dt_p99'])}")
+    c.print(t)
+    tm, v = rep["timing"], rep["verdict"]
+    t = Table(title=f"Time per chunk ({tm['chunks']:,} chunks): bottleneck [bold]{v['bottleneck']}[/]")
+    for col in ("component", "total ms", "share"):
+        t.add_column(col, justify="right" if col != "component" else "left")
+    for k in ("compute", "storage", "queueing"):
+        t.add_row(k, ms(tm["components_ns"][k]), pct(tm["shares"][k]))
+    c.print(t)
+    for e in v["evidence"]:
+        c.print(f"  evidence: {e}")
+    slow = sorted(tm["per_chunk"], key=lambda x: -x["total_ns"])[:rows]
+    if slow:
+        t = Table(title="Slowest chunks")
+        for col in ("request", "attempt", "index", "step", "tokens", "queue ms", "sched ms", "storage ms", "compute ms", "verdict"):
+            t.add_column(col, justify="right")
+        for x in slow:
+            t.add_row(x["request"][:40], str(x["attempt"]), str(x["chunk_index"]), str(x["step"]), num(x["tok_len"]),
+                      ms(x["queue_ns"]), ms(x["sched_ns"]), ms(x["storage_ns"]), ms(x["compute_ns"]), x["verdict"])
+        c.print(t)
+    st = rep["storage"]
+    if st["block_io"] or st["nvme"] or st["files"] or st["kv_transfers"]:
+        t = Table(title="Storage")
+        for col in ("source", "device / queue", "op", "count", "bytes", "p50 ms", "p95 ms", "p99 ms", "MB/s", "IOPS", "QD"):
+            t.add_column(col, justify="right")
+        for x in st["block_io"]:
+            t.add_row("block", x["disk"], x["op"], num(x["ios"]), num(x["bytes"]), ms(x["lat_p50"]), ms(x["lat_p95"]),
+                      ms(x["lat_p99"]), num((x["bytes_per_s"] or 0) / 1e6), num(x["iops"]), num(x["queue_depth"]))
+        for x in st["nvme"]:
+            t.add_row(f"nvme {x['transport']}", f"{x['ctrl']} q{x['qid']}", x["opclass"], num(x["commands"]), num(x["bytes"]),
+                      ms(x["lat_p50"]), ms(x["lat_p95"]), ms(x["lat_p99"]), num((x["bytes_per_s"] or 0) / 1e6),
+                      num(x["iops"]), num(x["queue_depth"]))
+        for x in st["files"]:
+            t.add_row("file", x["dir"], "read", num(x["reads"]), num(x["bytes"]), ms(x["lat_p50"]), ms(x["lat_p95"]),
+                      ms(x["lat_p99"]), num((x["bytes_per_s"] or 0) / 1e6), num(x["iops"]), num(x["queue_depth"]))
+        for x in st["kv_transfers"]:
+            t.add_row(f"kv {x['direction']}", f"{x['source']} ({x['kind']})", "", num(x["n"]), num(x["bytes"]),
+                      ms(x["lat_p50"]), ms(x["lat_p95"]), ms(x["lat_p99"]), "", "", "")
+        c.print(t)
+    rr, pf = rep["reload_vs_recompute"], rep["prefetch"]
+    c.print(f"reload vs recompute: reload {num(_us(rr['reload']['ns_per_token']))} µs/token over "
+            f"{rr['reload']['tokens']:,} tokens, recompute {num(_us(rr['recompute']['ns_per_token']))} µs/token "
+            f"({rr['recompute']['basis']}); speed-up of the storage tier {_times(rr['speedup'])}")
+    c.print(f"prefetch: read {num(_us(pf['read_ns_per_block']))} µs/block; hideable read time "
+            f"{ms(pf['reloaded_hideable_ns'])} ms for reloaded blocks (since eviction), "
+            f"{ms(pf['from_arrival']['hideable_ns'])} ms of {ms(pf['from_arrival']['load_ns'])} ms (since arrival); "
+            f"lost blocks a prefetch could have loaded instead: {ms(pf['lost_prefetchable_ns'])} ms of reads")
+    s = rep["service"]
+    c.print(f"service: TTFT p50 {ms(s['ttft_p50_ns'])} ms, p99 {ms(s['ttft_p99_ns'])} ms over {s['requests']} requests; "
+            f"{num(s['tokens_per_s'])} tokens/s ({num(s['output_tokens_per_s'])} output); storage read "
+            + ", ".join(f"{k.replace('_bytes', '')} {v:.4f} GB/s" for k, v in s["storage_read_gb_per_s"].items()))
+    m = rep["metrics"]
+    if m.get("available"):
+        c.print(f"vLLM /metrics: local hit rate {pct(m['local_hit_rate'])} (kvtrace local {pct(rep['reuse']['local_rate'])})")
+        for w in m["why_different"]:
+            c.print(f"  why: {w}")
+    for g in rep["gaps"]:
+        c.print(f"[yellow]gap:[/] {g}")
+
+
+def _times(x) -> str:
+    return "-" if x is None else f"{x:.2f}×"
+
+
+def _us(ns):
+    return None if ns is None else ns / 1e3
+
+
+def to_json(rep: dict) -> str:
+    return json.dumps(rep, indent=1, default=str)
+
+
+# ---------------------------------------------------------------------------------------------
+# SVG
+
+
+def _esc(s) -> str:
+    return html.escape(str(s), quote=True)
+
+
+def bars(title: str, labels: list[str], series: dict[str, list[float]], unit: str = "", stacked: bool = True,
+         w: int = 640, h: int = 260) -> str:
+    """A bar chart (stacked or grouped), one group per label."""
+    left, bottom, top, right = 60, 50, 30, 120
+    pw, ph = w - left - right, h - top - bottom
+    n = max(len(labels), 1)
+    totals = [sum(s[i] for s in series.values()) if stacked else max([s[i] for s in series.values()] or [0])
+              for i in range(len(labels))]
+    vmax = max(totals + [0]) or 1
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="plot" width="{w}" height="{h}" role="img" aria-label="{_esc(title)}">',
+           f'<text x="{w / 2}" y="18" text-anchor="middle" font-weight="bold">{_esc(title)}</text>',
+           f'<line x1="{left}" y1="{top + ph}" x2="{left + pw}" y2="{top + ph}" stroke="#333"/>',
+           f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + ph}" stroke="#333"/>']
+    for k in range(5):
+        v = vmax * k / 4
+        y = top + ph - ph * k / 4
+        out.append(f'<text x="{left - 4}" y="{y + 4}" text-anchor="end" font-size="10">{_fmt(v)}{_esc(unit)}</text>')
+        out.append(f'<line x1="{left}" y1="{y}" x2="{left + pw}" y2="{y}" stroke="#ddd"/>')
+    gw = pw / n
+    names = list(series)
+    for i, lab in enumerate(labels):
+        x0 = left + i * gw + gw * 0.1
+        base = 0.0
+        for j, name in enumerate(names):
+            v = series[name][i]
+            if stacked:
+                hh = ph * v / vmax
+                y = top + ph - ph * (base + v) / vmax
+                out.append(f'<rect class="bar" x="{x0:.1f}" y="{y:.1f}" width="{gw * 0.8:.1f}" height="{hh:.1f}" '
+                           f'fill="{COLORS.get(name, _palette(j))}"><title>{_esc(lab)} {_esc(name)}: {_fmt(v)}{_esc(unit)}</title></rect>')
+                base += v
+            else:
+                bw = gw * 0.8 / len(names)
+                hh = ph * v / vmax
+                out.append(f'<rect class="bar" x="{x0 + j * bw:.1f}" y="{top + ph - hh:.1f}" width="{bw:.1f}" height="{hh:.1f}" '
+                           f'fill="{COLORS.get(name, _palette(j))}"><title>{_esc(lab)} {_esc(name)}: {_fmt(v)}{_esc(unit)}</title></rect>')
+        if n <= 24 or i % max(n // 24, 1) == 0:
+            out.append(f'<text x="{x0 + gw * 0.4:.1f}" y="{top + ph + 14}" text-anchor="middle" font-size="10">{_esc(lab)}</text>')
+    for j, name in enumerate(names):
+        y = top + 14 * j
+        out.append(f'<rect x="{left + pw + 10}" y="{y}" width="10" height="10" fill="{COLORS.get(name, _palette(j))}"/>'
+                   f'<text x="{left + pw + 24}" y="{y + 9}" font-size="11">{_esc(name)}</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def timeline(chunks: list[dict], w: int = 900, max_rows: int = 40) -> str:
+    """Chunk timeline: one row per request, its queueing (light) and its chunks' steps coloured by verdict."""
+    if not chunks:
+        return "<p>no chunks</p>"
+    reqs = []
+    for c in chunks:
+        if c["request"] not in reqs:
+            reqs.append(c["request"])
+    reqs = reqs[:max_rows]
+    sel = [c for c in chunks if c["request"] in reqs]
+    t0 = min(c["t_start_ns"] - c["queue_ns"] - c["sched_ns"] * 0 for c in sel)
+    t1 = max(c["t_end_ns"] for c in sel)
+    span = max(t1 - t0, 1)
+    left, top, rh = 170, 30, 14
+    h = top + rh * len(reqs) + 40
+    pw = w - left - 20
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="plot" width="{w}" height="{h}" role="img" aria-label="chunk timeline">',
+           f'<text x="{w / 2}" y="18" text-anchor="middle" font-weight="bold">Chunk timeline (first {len(reqs)} requests; '
+           f'bars coloured by verdict, light = queueing)</text>']
+    row = {r: i for i, r in enumerate(reqs)}
+    for r, i in row.items():
+        out.append(f'<text x="{left - 4}" y="{top + i * rh + 10}" text-anchor="end" font-size="9">{_esc(r[:28])}</text>')
+    for c in sel:
+        y = top + row[c["request"]] * rh
+        xq = left + pw * (c["t_start_ns"] - c["queue_ns"] - t0) / span
+        xs = left + pw * (c["t_start_ns"] - t0) / span
+        xe = left + pw * (c["t_end_ns"] - t0) / span
+        if c["queue_ns"]:
+            out.append(f'<rect x="{xq:.1f}" y="{y + 3}" width="{max(xs - xq, 0.5):.1f}" height="{rh - 6}" fill="#f4d6a8"/>')
+        out.append(f'<rect class="bar" x="{xs:.1f}" y="{y + 1}" width="{max(xe - xs, 1):.1f}" height="{rh - 2}" '
+                   f'fill="{COLORS.get(c["verdict"], "#888")}"><title>{_esc(c["request"])} chunk {c["chunk_index"]} '
+                   f'(attempt {c["attempt"]}) step {c["step"]}: tokens {c["tok_start"]}..{c["tok_start"] + c["tok_len"]}, '
+                   f'queue {ms(c["queue_ns"])} ms, storage {ms(c["storage_ns"])} ms, compute {ms(c["compute_ns"])} ms</title></rect>')
+    yb = top + rh * len(reqs) + 14
+    for k in range(6):
+        x = left + pw * k / 5
+        out.append(f'<text x="{x:.1f}" y="{yb}" text-anchor="middle" font-size="10">{span * k / 5 / 1e6:.0f} ms</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _fmt(v: float) -> str:
+    if v >= 100:
+        return f"{v:,.0f}"
+    if v >= 1:
+        return f"{v:.1f}"
+    return f"{v:.2f}"
+
+
+def _palette(i: int) -> str:
+    return ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7"][i % 8]
+
+
+def plots(rep: dict) -> list[str]:
+    out = [timeline(rep["timing"]["per_chunk"])]
+    tm = rep["timing"]["components_ns"]
+    out.append(bars("Time per chunk, summed (ms)", ["all chunks"],
+                    {k: [tm[k] / 1e6] for k in ("compute", "storage", "queueing")}, " ms"))
+    bi = rep["reuse"]["by_chunk_index"]
+    out.append(bars("Hit rate by chunk index (first admissions; hits are credited to chunk 0)",
+                    [str(x["chunk_index"]) for x in bi],
+                    {"hit": [100 * (x["hit_share"] or 0) for x in bi]}, "%"))
+    bs = rep["reuse"]["by_first_chunk_size"]
+    out.append(bars("Hit rate by first-chunk size (tokens, upper edge)", [str(x["first_chunk_tokens_le"]) for x in bs],
+                    {"hit": [100 * (x["hit_rate"] or 0) for x in bs]}, "%"))
+    hist = rep["storage"]["latency_histogram"]
+    devs = sorted({(x["source"], x["device"]) for x in hist})
+    if devs:
+        buckets = sorted({x["bucket"] for x in hist})
+        labels = [(f"≤{b}µs" if b < 1000 else (f"≤{b // 1000}ms" if b < 1000000 else ">100ms")) for b in buckets]
+        series = {f"{s}:{d}"[:40]: [sum(x["n"] for x in hist if (x["source"], x["device"]) == (s, d) and x["bucket"] == b)
+                                    for b in buckets] for s, d in devs}
+        out.append(bars("Read latency histogram per device / queue (count)", labels, series, "", stacked=False))
+    rh = rep["chunking"]["evictions"]["histogram"]
+    if rh:
+        order = ["<1ms", "1-10ms", "10-100ms", "0.1-1s", "1-10s", ">=10s"]
+        bk = [b for b in order if any(x["bucket"] == b for x in rh)]
+        outcomes = sorted({x["outcome"] for x in rh})
+        out.append(bars("Eviction → re-reference distance (blocks)", bk,
+                        {o: [sum(x["blocks"] for x in rh if x["bucket"] == b and x["outcome"] == o) for b in bk] for o in outcomes}))
+    return out
+
+
+def to_html(rep: dict) -> str:
+    def table(rows: list[dict], cols: list[str] | None = None, limit: int = 50) -> str:
+        if not rows:
+            return "<p><i>none</i></p>"
+        cols = cols or list(rows[0])
+        head = "".join(f"<th>{_esc(c)}</th>" for c in cols)
+        body = "".join("<tr>" + "".join(f"<td>{_esc(_cell(r.get(c)))}</td>" for c in cols) + "</tr>" for r in rows[:limit])
+        more = f"<p>{len(rows) - limit} more rows in --json</p>" if len(rows) > limit else ""
+        return f"<table><tr>{head}</tr>{body}</table>{more}"
+
+    r, ch, tm, v = rep["reuse"], rep["chunking"], rep["timing"], rep["verdict"]
+    parts = [
+        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>kvtrace analysis</title><style>",
+        "body{font-family:sans-serif;margin:24px;color:#222} table{border-collapse:collapse;margin:8px 0}"
+        "td,th{border:1px solid #ccc;padding:3px 8px;font-size:12px;text-align:right} th{background:#eee}"
+        ".plot{margin:8px 12px 8px 0;border:1px solid #eee;background:#fff} .gap{color:#a15c00}",
+        "</style></head><body>",
+        f"<h1>kvtrace analysis</h1><p>{_esc(rep['dataset'])} — engine {_esc(rep['engine'])}, {rep['elapsed_s']} s</p><ul>",
+        *[f"<li>{_esc(x)}</li>" for x in rep["headline"]], "</ul>",
+        f"<h2>Bottleneck: {_esc(v['bottleneck'])}</h2><ul>", *[f"<li>{_esc(e)}</li>" for e in v["evidence"]], "</ul>",
+        "<div>", *plots(rep), "</div>",
+        "<h2>KV reuse (counted at first admission only)</h2>",
+        table([{k: r[k] for k in ("requests", "prompt_tokens", "hit_tokens", "hit_local", "hit_external", "hit_rate",
+                                  "local_rate", "external_rate")}]),
+        "<p>Not counted as hits:</p>", table([r["not_counted"]]),
+        table(r["per_request"], ["request", "prompt_len", "cached_local", "cached_external", "hit_rate", "readmissions", "readmit_reused"]),
+        "<h2>Chunking versus blocks</h2>", table([ch["partial_blocks"] | ch["prompt_tails"]]),
+        "<h3>Prefixes shared with in-flight requests</h3>", table(ch["inflight"]["rows"]),
+        "<h3>Evictions</h3>", table([{k: ch["evictions"][k] for k in ("evictions", "rereferenced", "thrash_blocks", "thrash_tokens", "thrash_rate")}]),
+        table([ch["evictions"]["distance"]]),
+        "<h2>Time per chunk</h2>", table([tm["components_ns"] | {"chunks": tm["chunks"]}]),
+        table(sorted(tm["per_chunk"], key=lambda x: -x["total_ns"]), limit=30),
+        "<h2>Storage</h2>", table(rep["storage"]["block_io"]), table(rep["storage"]["nvme"]), table(rep["storage"]["files"]),
+        table(rep["storage"]["kv_transfers"]), table(rep["storage"]["nic_during_slow_chunks"]),
+        "<h2>Reload versus recompute</h2>",
+        table([rep["reload_vs_recompute"]["reload"] | {"recompute_ns_per_token": rep["reload_vs_recompute"]["recompute"]["ns_per_token"],
+                                                        "speedup": rep["reload_vs_recompute"]["speedup"]}]),
+        "<h2>Prefetch opportunity</h2>", table([{k: v2 for k, v2 in rep["prefetch"].items() if not isinstance(v2, dict)}]),
+        "<h2>Service</h2>", table([{k: v2 for k, v2 in rep["service"].items() if not isinstance(v2, (dict, list))}]),
+        "<h2>Gaps</h2><ul>", *([f"<li class='gap'>{_esc(g)}</li>" for g in rep["gaps"]] or ["<li>none</li>"]), "</ul>",
+        "</body></html>",
+    ]
+    return "\n".join(parts)
+
+
+def _cell(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if v is None:
+        return "-"
+    return str(v)
