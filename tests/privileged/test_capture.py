@@ -116,7 +116,8 @@ def test_existing_pid_and_its_later_children(tmp_path):
     out = tmp_path / "ds"
     agent = subprocess.Popen([sys.executable, "-m", "kvtrace", "attach", "--quiet", "--pid", str(parent.pid), "--out", str(out)],
                              stderr=subprocess.PIPE, text=True)
-    line = agent.stderr.readline()  # "kvtrace: attached ..." once the probes are in
+    # "kvtrace: attached ..." once the probes are in (after any "probe ... skipped" lines)
+    line = next((x for x in iter(agent.stderr.readline, "") if "attached" in x), "")
     assert "attached" in line, line
     parent.stdin.write("go\n")
     parent.stdin.close()
