@@ -44,8 +44,9 @@ class KernelMaps:
 
     name = "nvme_queue"
 
-    def __init__(self, tables: dict, ctx=None, cfg=None):
+    def __init__(self, tables: dict, ctx=None, cfg=None, settings: dict | None = None):
         self.t = tables
+        self.settings = dict(settings or {})   # recorded in the run row (sampling mode and rate)
         self.ctx = ctx
         self.cfg = cfg                 # the nvme_cfg map: its epoch is bumped after each read
         self.prev_q: dict[tuple, tuple] = {}
@@ -178,7 +179,7 @@ class KernelMaps:
         return _table("rdma_cq", rows) if rows["ts_ns"] else None
 
     def stats(self) -> dict:
-        return dict(self.c)
+        return {**self.settings, **self.c}
 
     def lost(self) -> int:
         """Completions the kernel could not account for (a map was full)."""

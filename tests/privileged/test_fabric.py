@@ -52,6 +52,14 @@ def test_probes_compile_and_verify_against_each_kernels_layouts(kernel):
                 "tracepoint__rdma_cma__cm_event_handler", "tracepoint__rdma_core__cq_poll"} <= progs
         assert ("-DKV_TCP_PROBE_SKADDR" in r["cflags"]) is (kernel == "6.18")
     assert not os.path.isdir("/sys/kernel/tracing/events/nvme")  # the host's tracefs is untouched
+    # the user-space side against the loaded program's real maps
+    m = r["maps"]
+    assert m["cfg"] == [5_000_000, 1000, 0]          # 20000 events/s over 2 CPUs = 1000 per CPU per 100 ms
+    assert m["ns"] == [[0, 1, 0, 259 << 20, 12], [1, 1, 0, 259 << 20, 12], [2, 1, (259 << 20) | 2, 0, 9]]
+    assert m["qdepth"] == [[2, 1024]]
+    assert m["queue"] == [["nvme0", "tcp", 2, "read", 4, 16384, "1"]] and m["hist"] == [[17, 4]] and m["epoch"] == 1
+    if kernel != "4.19":
+        assert m["tcp_ports"] == [4420]
 
 
 def test_capture_here_reports_nvme_and_rdma_absent_and_loses_nothing(tmp_path, loopdev):

@@ -55,8 +55,47 @@ def main() -> None:
         if n.startswith("tracepoint__"):
             b.load_func(n, BPF.TRACEPOINT)
             verified.append(n)
+    maps = exercise_maps(b, plan) if "nvme" in plan.attached else {}
     print(json.dumps({"kernel": kernel, "attached": plan.attached, "skipped": plan.skipped,
-                      "cflags": plan.cflags, "verified": verified}))
+                      "cflags": plan.cflags, "verified": verified, "maps": maps}))
+
+
+def exercise_maps(b, plan) -> dict:
+    """The user-space side against the real maps of the loaded program: settings written by
+    session.configure, namespace entries written by the topology watcher (from the recorded
+    nvme tree), and counts put in the maps read back by KernelMaps."""
+    import ctypes
+    import tempfile
+    import types
+
+    sys.path.insert(0, str(HERE.parent.parent))
+    from kvtrace.capture.events import DecodeContext
+    from kvtrace.fabric import session
+    from kvtrace.fabric.kstats import KernelMaps
+    from tests.sysfs_tree import materialize
+
+    out = {}
+    session.configure(b, plan, session.Options(nvme_event_rate=20000, nvme_slow_us=5000), ncpus=2)
+    cfg = b["nvme_cfg"][ctypes.c_int(0)]
+    out["cfg"] = [cfg.slow_ns, cfg.budget, cfg.mode]
+    root = tempfile.mkdtemp()
+    materialize("nvme.tree", root)
+    ctx = DecodeContext()
+    session.TopologyWatcher(ctx, {"nvme_ns": b["nvme_ns"], "nvme_qdepth": b["nvme_qdepth"]}, root=root)
+    out["ns"] = sorted([k.ctrl_id, k.nsid, v.dev1, v.dev2, v.lba_shift] for k, v in b["nvme_ns"].items())
+    out["qdepth"] = sorted([k.value, v.value] for k, v in b["nvme_qdepth"].items())
+    q, h = b["nvme_qstats"], b["nvme_hist"]
+    q[q.Key(ctrl_id=0, qid=2, opclass=0, pad=0)] = q.Leaf(setups=5, completions=4, bytes=16384, latency_ns=400000)
+    h[h.Key(ctrl_id=0, qid=2, opclass=0, slot=17)] = ctypes.c_ulonglong(4)
+    km = KernelMaps({n: b[n] for n in ("nvme_qstats", "nvme_hist", "nvme_drops")}, ctx, b["nvme_cfg"])
+    tables = km.drain()
+    out["queue"] = [[r["ctrl"], r["transport"], r["qid"], r["opclass"], r["completions"], r["bytes"], r["cpus"]]
+                    for r in tables["nvme_queue"].to_pylist()]
+    out["hist"] = [[r["slot"], r["count"]] for r in tables["nvme_queue_hist"].to_pylist()]
+    out["epoch"] = b["nvme_cfg"][ctypes.c_int(0)].epoch
+    if "tcp" in plan.attached:
+        out["tcp_ports"] = sorted(k.value for k in b["tcp_ports"].keys())
+    return out
 
 
 if __name__ == "__main__":
