@@ -143,8 +143,11 @@ def scan(root) -> Inputs:
     hook = [t for t in HOOK_TABLES if inp.has(t)]
     if not all(inp.has(t) for t in REQUIRED):
         lacking = [t for t in REQUIRED if not inp.has(t)]
-        kernel = [t for t in names if t not in HOOK_TABLES and all_files.get(t)]
+        kernel = [t for t in names if t not in HOOK_TABLES and t != "runs" and all_files.get(t)]
         what = f"only kernel tables ({', '.join(kernel)})" if kernel and not hook else f"tables {', '.join(hook) or 'none'}"
+        unreadable = [g.split(";")[0] for g in inp.gaps if any(f"/{t}/" in g for t in lacking)]
+        if unreadable:
+            raise DatasetError(f"no readable {', '.join(lacking)} table left in {root}: {'; '.join(unreadable)}")
         raise DatasetError(
             f"{root} has no vLLM hook records in table {', '.join(lacking)} ({what}): "
             "KV reuse, chunk timing and service figures need the kvtrace hook inside vLLM (kvtrace attach to a vLLM server)")
