@@ -753,7 +753,16 @@ def detect_roles() -> list[str]:
     return []
 
 
-def install(roles: list[str] | None = None) -> bool:
+def _live_connector():
+    try:
+        from vllm.distributed.kv_transfer import kv_transfer_state as state
+
+        return getattr(state, "_KV_CONNECTOR_AGENT", None)
+    except Exception:
+        return None
+
+
+def install(roles: list[str] | None = None, live: bool = False) -> bool:
     """Patch vLLM for these roles ("engine", "worker"; default: by process).  Idempotent.
 
     Returns True when something is patched.  Never raises: a vLLM whose version or method
@@ -763,6 +772,12 @@ def install(roles: list[str] | None = None) -> bool:
     global _ALLOC_SIG
     try:
         roles = detect_roles() if roles is None else list(roles)
+        if live and "worker" in roles and _live_connector() is None:
+            # injected after start-up into a worker without a KV connector: nothing to time here
+            roles = [r for r in roles if r != "worker"]
+            if not roles:
+                _STATUS["reason"] = "no KV connector in this worker: nothing to hook"
+                return False
         if not roles:
             _STATUS["reason"] = f"no role in process {multiprocessing.current_process().name!r}"
             return False

@@ -32,7 +32,7 @@ def _kvtrace_loader(hook_dir, result_path, action, owner):
             pass
         elif action == "install":
             was = bool(mod.status().get("installed"))
-            res["installed"] = bool(mod.install())
+            res["installed"] = bool(mod.install(live=True))
             res["reused"] = was
             if res["installed"] and owner and not was:
                 mod.set_owner(owner)  # a hook this injection installed leaves with its agent

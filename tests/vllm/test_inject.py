@@ -131,10 +131,10 @@ def test_injected_hook_matches_vllm_and_leaves_on_detach(plain_server, tmp_path)
 
     # evictions: the same multiset of hashes as vLLM's BlockRemoved events while attached
     removed = Counter()
-    for _, _, batch in events.between(t0, t1):
-        for ev in batch[1]:
-            if ev[0] == "BlockRemoved":
-                removed.update(h & (2**64 - 1) if isinstance(h, int) else int.from_bytes(h, "big") & (2**64 - 1) for h in ev[1])
+    for _, _, (_ts, evs, *_rest) in events.between(t0, t1):
+        for ev in evs:
+            if ev["type"] == "BlockRemoved":
+                removed.update(h & (2**64 - 1) for h in ev["block_hashes"])
     evicted = Counter(e["block_hash"] for e in ds.table("evict").to_pylist())
     assert sum(evicted.values()) > 0 and evicted == removed
 
@@ -158,7 +158,7 @@ def test_sigkilled_agent_leaves_a_serving_server_and_no_hook(plain_server, tmp_p
     results: list = []
     t = threading.Thread(target=lambda: results.extend(workload.run(server.url, server.model, reqs, concurrency=2)))
     t.start()
-    time.sleep(1.0)
+    time.sleep(2.5)  # past the first flush
     agent.stop(signal.SIGKILL)
     t.join(300)
     assert len(results) == len(reqs) and all(not r.error for r in results)
