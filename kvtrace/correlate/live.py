@@ -23,7 +23,7 @@ KERNEL_TIME = {"block_io": "start_ns", "file_io": "start_ns", "io_uring": "submi
 
 class LiveCorrelator:
     def __init__(self, run: str, lateness_ns: int = 3_000_000_000, idle_ns: int = 300_000_000_000,
-                 max_rows: int = 2_000_000, io_span_bytes: int = 1 << 20):
+                 max_rows: int = 1_000_000, io_span_bytes: int = 1 << 20):
         self.run = run
         self.lateness = lateness_ns
         self.idle = idle_ns

@@ -143,11 +143,19 @@ _EVICT_HEAD = _ld(b"\x12", b"kvtrace.evict")
 _HASH_KV = b"\x1a" + varint(len(key_value("kvtrace.block.hash", "0" * 16))) + key_value("kvtrace.block.hash", "0" * 16)[:-16]
 
 
+_EV_TAIL: dict = {}
+
+
 def evict_event(t: int, block_hash: int, block_id: int, group: int, medium: str) -> bytes:
     """The kvtrace.evict event of event(): the same bytes, built from cached pieces."""
-    body = (b"\x09" + _F64(t) + _EVICT_HEAD + _HASH_KV + b"%016x" % block_hash +
-            attributes(b"\x1a", (("kvtrace.block.id", block_id), ("kvtrace.block.group", group),
-                                  ("kvtrace.block.medium", medium))))
+    key = (block_id, group, medium)
+    tail_ = _EV_TAIL.get(key)
+    if tail_ is None:
+        tail_ = attributes(b"\x1a", (("kvtrace.block.id", block_id), ("kvtrace.block.group", group),
+                                     ("kvtrace.block.medium", medium)))
+        if len(_EV_TAIL) < _KV_MAX:
+            _EV_TAIL[key] = tail_
+    body = b"".join((b"\x09", _F64(t), _EVICT_HEAD, _HASH_KV, b"%016x" % block_hash, tail_))
     return b"\x5a" + varint(len(body)) + body
 
 
@@ -221,17 +229,23 @@ def _attr_piece(key: str, kind: str, data, n: int) -> tuple[np.ndarray, np.ndarr
         m[:, 4 + len(head):] = vals.view(np.uint8).reshape(n, 8)
         return m, np.full(n, m.shape[1], np.int64)
     if kind == "b":
-        codes, values = np.asarray(data).astype(np.int32), [False, True]
-    else:  # "s": (codes, distinct values)
-        codes, values = data
+        codes, (table, lens) = np.asarray(data).astype(np.int64), _piece_table(key, [False, True])
+    else:  # "s": (codes, (table, lens)) from _piece_table
+        codes, (table, lens) = data
+        codes = np.asarray(codes, np.int64)
+    return table[codes], lens[codes]
+
+
+def _piece_table(key: str, values) -> tuple[np.ndarray, np.ndarray]:
+    """The attribute field of each distinct value, as a padded matrix and lengths."""
     pieces = [b"\x4a" + varint(len(kv)) + kv for kv in (key_value(key, v) for v in values)]
     w = max(len(p) for p in pieces)
-    table = np.zeros((len(pieces), w), np.uint8)
-    for i, p in enumerate(pieces):
-        table[i, :len(p)] = np.frombuffer(p, np.uint8)
+    flat = np.frombuffer(b"".join(pieces), np.uint8)
     lens = np.array([len(p) for p in pieces], np.int64)
-    codes = np.asarray(codes, np.int64)
-    return table[codes], lens[codes]
+    table = np.zeros((len(pieces), w), np.uint8)
+    mask = np.arange(w)[None, :] < lens[:, None]
+    table[mask] = flat
+    return table, lens
 
 
 def _ids(hexes, width: int) -> np.ndarray:
@@ -248,6 +262,8 @@ def spans_columnar(name: str, trace_hex, span_hex, parent_hex, start: np.ndarray
     ((codes, distinct strings)); extra = per-row bytes appended (events, status, trace_state)."""
     n = len(span_hex)
     out: list[bytes] = []
+    tables = {key: _piece_table(key, data[1]) for key, kind, data in attrs if kind == "s"}
+    attrs = [(key, kind, (np.asarray(data[0], np.int64), None) if kind == "s" else data) for key, kind, data in attrs]
     nb = varint(len(name.encode()))
     name_b = b"\x2a" + nb + name.encode() + b"\x30\x01\x39"
     for lo in range(0, n, block):
@@ -276,7 +292,7 @@ def spans_columnar(name: str, trace_hex, span_hex, parent_hex, start: np.ndarray
         segs.append((tm, np.full(k, tm.shape[1])))
         for key, kind, data in attrs:
             if kind == "s":
-                d = (np.asarray(data[0])[lo:hi], data[1])
+                d = (data[0][lo:hi], tables[key])
             else:
                 d = np.asarray(data)[lo:hi]
             segs.append(_attr_piece(key, kind, d, k))
