@@ -89,6 +89,9 @@ def correlate_markdown(c: dict) -> list[str]:
         f"| encode + export, end to end (spans) | | gRPC {c['end_to_end_spans_per_cpu_s']['grpc']:,}, "
         f"HTTP {c['end_to_end_spans_per_cpu_s']['http']:,} |",
         "",
-        f"- peak RSS {c['peak_rss_mib']} MiB (the whole recorded run in memory: {c['rss_before_correlation_mib']} MiB "
+        f"- live (as attached, {c['live']['passes']} passes of {c['live']['slice_s']:g} s of events): "
+        f"{c['live']['events_per_cpu_s']:,} events and {c['live']['spans_per_cpu_s']:,} spans per CPU second, "
+        f"window at most {c['live']['max_window_rows']:,} rows, RSS growth {c['live']['rss_growth_mib']} MiB",
+        f"- offline: peak RSS {c['peak_rss_mib']} MiB (the whole recorded run in memory: {c['rss_before_correlation_mib']} MiB "
         f"before correlating); encoded spans {c['encoded_bytes_mib']} MiB; dropped gRPC {g['dropped']}, HTTP {h['dropped']}",
     ]
