@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHES = ["capacity", "correlate"]
+BENCHES = ["capacity", "correlate", "analysis"]
 
 
 def machine() -> str:
@@ -47,6 +47,13 @@ def markdown(results: dict) -> str:
         lines.append(f"| {r['target_rate']} | {r['producer_rate']:,} | {r['decoded_per_s']:,} | {r['lost']:,} | {r['accounted']} |")
     if "correlate" in results:
         lines += correlate_markdown(results["correlate"])
+    if "analysis" in results:
+        a, w = results["analysis"]["analyze"], results["analysis"]["whatif"]
+        lines += ["", "## Offline analysis (bench/analysis.py)", "",
+                  f"- `kvtrace analyze` (DuckDB) of {a['events']:,} synthetic events: {a['analyze_s']} s wall, "
+                  f"{a['analyze_cpu_s']} s CPU (load average {a['load_avg_1m']:.1f}; target under 5 s)",
+                  f"- `whatif` replay: {w['lookups_per_s']:,} block lookups/s wall, {w['lookups_per_cpu_s']:,} per CPU second "
+                  "(target 1M/s)"]
     return "\n".join(lines) + "\n"
 
 

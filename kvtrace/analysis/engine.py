@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import decimal
 import os
+
+import pyarrow as pa
 from pathlib import Path
 
 from kvtrace.analysis.load import COLUMNS, Inputs
@@ -98,9 +100,11 @@ class DuckDBEngine(Engine):
         self.con.execute(f"CREATE OR REPLACE TEMP TABLE {name} AS {sql}")
 
     def rows(self, sql: str) -> list[dict]:
-        cur = self.con.execute(sql)
-        cols = [d[0] for d in cur.description]
-        return [{c: _py(v) for c, v in zip(cols, r)} for r in cur.fetchall()]
+        t = self.con.sql(sql).to_arrow_table()
+        if any(pa.types.is_decimal(f.type) for f in t.schema):  # SUM of BIGINT is HUGEINT: back to int64
+            t = t.cast(pa.schema([pa.field(f.name, (pa.int64() if f.type.scale == 0 else pa.float64())
+                                           if pa.types.is_decimal(f.type) else f.type) for f in t.schema]))
+        return t.to_pylist()
 
     def explode_sql(self) -> str:
         return ("CREATE OR REPLACE TEMP VIEW pblock AS SELECT DISTINCT run, pid, request, block_size, idx, hash FROM ("

@@ -102,6 +102,10 @@ def views(default_block_size: int = 0) -> list[tuple[str, str]]:
                             WHEN idx * bs < cached_local + cached_external THEN 'reloaded'
                             ELSE 'lost' END AS outcome
                      FROM pick WHERE rn = 1"""),
+        ("fread", f"""SELECT d.dir, f.bytes, f.start_ns, f.ts_ns, f.latency_ns FROM file_io f JOIN (
+                       SELECT path, regexp_extract(path, '^(.*)/', 1) AS dir FROM (SELECT DISTINCT path FROM file_io) p
+                       WHERE {STORAGE_PATH}) d ON d.path = f.path
+                     WHERE f.syscall IN {READS} AND f.ret >= 0"""),
         ("loads", """SELECT run, request, COUNT(*) AS n, SUM(t_end_ns - t_start_ns) AS load_ns, SUM(blocks) AS blocks,
                      SUM(nbytes) AS bytes FROM kv_load WHERE request IS NOT NULL AND request <> ''
                      GROUP BY run, request"""),
@@ -198,9 +202,8 @@ FIGURES: dict[str, str] = {
         AVG(CAST(sq_occupancy AS DOUBLE)) AS sq_avg, {pct('latency_ns', 'lat')}, MAX(latency_ns) AS lat_max
         FROM nvme_cmd GROUP BY ctrl, qid, transport, opclass ORDER BY ctrl, qid, transport, opclass""",
     "file_reads": f"""SELECT dir, COUNT(*) AS reads, SUM(bytes) AS bytes, MIN(start_ns) AS t0, MAX(ts_ns) AS t1,
-        SUM(latency_ns) AS busy_ns, {pct('latency_ns', 'lat')}, MAX(latency_ns) AS lat_max FROM (
-          SELECT regexp_extract(path, '^(.*)/', 1) AS dir, bytes, start_ns, ts_ns, latency_ns FROM file_io
-          WHERE syscall IN {READS} AND ret >= 0 AND {STORAGE_PATH}) t GROUP BY dir ORDER BY dir""",
+        SUM(latency_ns) AS busy_ns, {pct('latency_ns', 'lat')}, MAX(latency_ns) AS lat_max FROM fread
+        GROUP BY dir ORDER BY dir""",
     "kv_transfers": f"""SELECT direction, kind, source, COUNT(*) AS n, SUM(blocks) AS blocks, SUM(nbytes) AS bytes,
         SUM(t_end_ns - t_start_ns) AS busy_ns, {pct('t_end_ns - t_start_ns', 'lat')} FROM (
           SELECT 'load' AS direction, CASE WHEN request <> '' THEN 'per request' ELSE 'per step' END AS kind,
@@ -225,9 +228,7 @@ FIGURES: dict[str, str] = {
           WHERE op = 'R' AND (error = 0 OR error IS NULL)
           UNION ALL SELECT 'nvme' AS source, ctrl || ' q' || CAST(qid AS STRING) AS device,
                  {LAT_BUCKET.format(x='latency_ns')} AS bucket FROM nvme_cmd
-          UNION ALL SELECT 'file' AS source, regexp_extract(path, '^(.*)/', 1) AS device,
-                 {LAT_BUCKET.format(x='latency_ns')} AS bucket FROM file_io
-          WHERE syscall IN {READS} AND ret >= 0 AND {STORAGE_PATH}
+          UNION ALL SELECT 'file' AS source, dir AS device, {LAT_BUCKET.format(x='latency_ns')} AS bucket FROM fread
           UNION ALL SELECT 'kv_load' AS source, source AS device, {LAT_BUCKET.format(x='t_end_ns - t_start_ns')} AS bucket
           FROM kv_load WHERE request <> '') t GROUP BY source, device, bucket ORDER BY source, device, bucket""",
     # ---- reload versus recompute ----
@@ -284,7 +285,7 @@ FIGURES: dict[str, str] = {
     "first_tokens": "SELECT COUNT(*) AS n FROM chk WHERE is_last = 1",
     "read_bytes": f"""SELECT (SELECT COALESCE(SUM(nbytes), 0) FROM kv_load WHERE request <> '') AS kv_load_bytes,
         (SELECT COALESCE(SUM(bytes), 0) FROM block_io WHERE op = 'R' AND (error = 0 OR error IS NULL)) AS block_read_bytes,
-        (SELECT COALESCE(SUM(bytes), 0) FROM file_io WHERE syscall IN {READS} AND ret >= 0 AND {STORAGE_PATH}) AS file_read_bytes""",
+        (SELECT COALESCE(SUM(bytes), 0) FROM fread) AS file_read_bytes""",
     "metrics": """WITH m AS (SELECT run, ts_ns, name, SUM(value) AS v FROM vllm_metrics WHERE name IN (
           'vllm:prefix_cache_hits_total', 'vllm:prefix_cache_queries_total', 'vllm:external_prefix_cache_hits_total',
           'vllm:external_prefix_cache_queries_total', 'vllm:num_preemptions_total') GROUP BY run, ts_ns, name)

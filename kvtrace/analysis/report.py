@@ -128,7 +128,7 @@ def build(rows: dict[str, list[dict]], inp: load.Inputs) -> dict:
         },
     }
     reuse["per_request"] = [
-        {**r, "hit_rate": _ratio(r["cached_local"] + r["cached_external"], r["prompt_len"])} for r in rows["hit_requests"]]
+        {**r, "hit_rate": _norm(_ratio(r["cached_local"] + r["cached_external"], r["prompt_len"]))} for r in rows["hit_requests"]]
     reuse["by_chunk_index"] = [
         {**r, "hit_share": _ratio(r["hit"], r["hit"] + r["computed"])} for r in rows["hit_by_index"]]
     reuse["by_first_chunk_size"] = [
@@ -255,7 +255,14 @@ def build(rows: dict[str, list[dict]], inp: load.Inputs) -> dict:
     rep["metrics"] = metrics_note(rows["metrics"], reuse)
     rep["verdict"] = verdict(rep)
     rep["headline"] = headline(rep)
-    return _norm(rep)
+    # the long per-row lists hold integers and text from SQL (ratios rounded above): kept as they are
+    big = {"per_request": reuse.pop("per_request"), "per_chunk": timing.pop("per_chunk"),
+           "ttft_per_request": rep["service"].pop("ttft_per_request")}
+    rep = _norm(rep)
+    rep["reuse"]["per_request"] = big["per_request"]
+    rep["timing"]["per_chunk"] = big["per_chunk"]
+    rep["service"]["ttft_per_request"] = big["ttft_per_request"]
+    return rep
 
 
 def metrics_note(mrows: list[dict], reuse: dict) -> dict:

@@ -57,6 +57,7 @@ class Req:
     generated: int = 0
     blocks: list = field(default_factory=list)
     attempt: int = 0
+    hashed: int = 0                 # leading blocks already hashed
     admitted: bool = False
     done_ns: int = 0
     first_token_ns: int = 0
@@ -234,7 +235,7 @@ class Replay:
         self.free: OrderedDict = OrderedDict((b, None) for b in range(n))
         self.bhash: list = [None] * n
         self.ref = [0] * n
-        self.cached: dict = {}               # key -> {block id: None}
+        self.cached: dict = {}               # key -> [block ids holding it]
         self.ever: set = set()               # keys ever computed (recompute accounting)
         self.stats = dict(requests=0, prompt_tokens=0, hit_local=0, hit_external=0, evictions=0, storage_loads=0,
                           preemptions=0, prefill_tokens=0, recomputed_tokens=0, readmit_hits=0, steps=0, lookups=0)
@@ -248,9 +249,10 @@ class Replay:
             k = bhash[bid]
             if k is not None:
                 d = cached[k]
-                del d[bid]
-                if not d:
+                if len(d) == 1:
                     del cached[k]
+                else:
+                    d.remove(bid)
                 bhash[bid] = None
                 self.stats["evictions"] += 1
             ref[bid] = 1
@@ -258,62 +260,79 @@ class Replay:
 
     def _hash_full(self, r: Req, tokens: int, loaded_upto: int = 0) -> None:
         """Hash r's full blocks below `tokens` (vLLM caches them at allocation)."""
-        B, bhash, cached = self.B, self.bhash, self.cached
-        for j in range(min(tokens, r.num_tokens) // B):
+        B, bhash, cached, ever = self.B, self.bhash, self.cached, self.ever
+        upto = min(tokens, r.num_tokens) // B
+        for j in range(r.hashed, upto):
             bid = r.blocks[j]
-            if bhash[bid] is not None:
+            if bhash[bid] is not None:  # a hit block: cached already
                 continue
             if j >= len(r.keys):  # a block holding output tokens: no other prompt has its hash
                 r.keys.append(("o", id(r), j))
             k = r.keys[j]
             bhash[bid] = k
-            cached.setdefault(k, {})[bid] = None
+            if k in cached:
+                cached[k].append(bid)
+            else:
+                cached[k] = [bid]
             if j >= loaded_upto:
-                if k in self.ever:
+                if k in ever:
                     self.stats["recomputed_tokens"] += B
-                self.ever.add(k)
-                self.tier.store(k)
+                else:
+                    ever.add(k)
+                if self.tier.on:
+                    self.tier.store(k)
+        if upto > r.hashed:
+            r.hashed = upto
 
     def _free(self, r: Req) -> None:
-        first, last = [], []
+        """Tail first: blocks with a hash to the back of the free queue (LRU), others to the front."""
+        ref, bhash, free = self.ref, self.bhash, self.free
+        first = []
         for bid in reversed(r.blocks):
-            self.ref[bid] -= 1
-            if self.ref[bid] == 0:
-                (last if self.bhash[bid] is not None else first).append(bid)
+            c = ref[bid] - 1
+            ref[bid] = c
+            if not c:
+                if bhash[bid] is None:
+                    first.append(bid)
+                else:
+                    free[bid] = None
         for bid in reversed(first):
-            self.free[bid] = None
-            self.free.move_to_end(bid, last=False)
-        for bid in last:
-            self.free[bid] = None
+            free[bid] = None
+            free.move_to_end(bid, last=False)
         r.blocks = []
+        r.hashed = 0
 
     # ---- scheduler ----
     def _admit(self, r: Req, budget: int, busy: bool) -> int:
         """Try to admit r; the tokens scheduled, or 0 when it does not fit."""
         B, cached = self.B, self.cached
         cap = (r.num_tokens - 1) // B
-        hit = 0
         keys = r.keys
-        nk = len(keys)
-        while hit < cap and hit < nk and keys[hit] in cached:
+        lim = min(cap, len(keys))
+        hit = 0
+        for k in keys[:lim] if lim < len(keys) else keys:
+            if k not in cached:
+                break
             hit += 1
-        self.stats["lookups"] += hit + (1 if hit < min(cap, nk) else 0)
+        self.stats["lookups"] += hit + (1 if hit < lim else 0)
         ext = 0
         if self.tier.on:
             tk = self.tier.keys
-            while hit + ext < cap and hit + ext < nk and keys[hit + ext] in tk:
+            while hit + ext < lim and keys[hit + ext] in tk:
                 ext += 1
         computed = (hit + ext) * B
         n = min(r.num_tokens - computed, budget)
-        hit_blocks = [next(iter(cached[keys[j]])) for j in range(hit)]
-        evictable = sum(1 for b in hit_blocks if self.ref[b] == 0)
+        ref = self.ref
+        hit_blocks = [cached[k][0] for k in keys[:hit]]
+        evictable = sum(1 for b in hit_blocks if not ref[b])
         need_all = -(-r.num_tokens // B) - hit + evictable
         if need_all > len(self.free):
             return 0
+        free = self.free
         for b in hit_blocks:
-            if self.ref[b] == 0:
-                del self.free[b]
-            self.ref[b] += 1
+            if not ref[b]:
+                del free[b]
+            ref[b] += 1
         r.blocks = hit_blocks
         self._alloc(r, -(-(computed + n) // B))
         if r.attempt == 0 and not r.admitted:
@@ -329,6 +348,7 @@ class Replay:
         for j in range(hit, hit + ext):
             self.tier.keys.move_to_end(keys[j])
         r.computed = computed
+        r.hashed = hit  # hit blocks carry their hash already
         self._hash_full(r, computed + n, loaded_upto=hit + ext)
         return n
 

@@ -1,0 +1,190 @@
+"""Benchmark of the offline analysis: `kvtrace analyze` on a synthetic dataset of ~10M events
+(DuckDB), and the `whatif` replay rate in block lookups per second.
+
+    .venv/bin/python bench/analysis.py [--short] [--json FILE]
+
+The dataset mimics a long run: requests in groups sharing a prefix, chunked prefill, evictions
+of earlier prompts' blocks, per-request KV loads, and the kernel's block and file I/O (most
+of the events).  It is generated with numpy and written as the agent writes (one Parquet file
+per table, kvtrace metadata), then analysed once untimed (OS cache warm) and timed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvtrace.capture.usermark import schema_for  # noqa: E402
+from kvtrace.dataset import schema  # noqa: E402
+
+MS = 1_000_000
+BS = 32
+
+
+def _write(root: Path, table: str, cols: dict, run="bench") -> int:
+    sch = schema_for(table) or schema.TABLES[table]
+    n = len(next(iter(cols.values())))
+    arrays = []
+    for f in sch:
+        if f.name in cols:
+            arrays.append(pa.array(cols[f.name], type=f.type))
+        elif pa.types.is_string(f.type) or pa.types.is_dictionary(f.type):
+            arrays.append(pa.array([""] * n, type=pa.string()).cast(f.type))
+        else:
+            arrays.append(pa.array(np.zeros(n, dtype=np.int64)).cast(f.type))
+    t = schema.with_run(pa.Table.from_arrays(arrays, schema=pa.schema([pa.field(f.name, a.type) for f, a in zip(sch, arrays)])), run)
+    t = t.replace_schema_metadata({schema.META_KEY: json.dumps({"schema_version": schema.SCHEMA_VERSION, "kvtrace_version": "bench",
+                                                                "run": run, "table": table}).encode()})
+    path = root / table / "host=bench" / "date=2026-11-30" / f"{run}.parquet"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(t, path, compression="zstd")
+    return n
+
+
+def synth(root: Path, requests: int, io_events: int, seed: int = 1) -> dict:
+    """Requests of 1,000-2,000 tokens in groups of 4 sharing a 640-token prefix, 256-token chunks,
+    one step per chunk, an eviction of 5 blocks per request, a KV load per 8th request, plus
+    io_events kernel rows (block and file reads)."""
+    rng = np.random.default_rng(seed)
+    n = requests
+    plen = rng.integers(1000, 2001, n)
+    ids = np.array([f"cmpl-r{i}-0-0000" for i in range(n)], dtype=object)
+    nchunks = -(-plen // 256)
+    # steps: one per chunk of request i, requests back to back (a run's worth of steps)
+    total_chunks = int(nchunks.sum())
+    step_no = np.arange(1, total_chunks + 1)
+    t_start = step_no * 10 * MS
+    req_of = np.repeat(np.arange(n), nchunks)
+    first = np.concatenate([[0], np.cumsum(nchunks)[:-1]])
+    idx = np.arange(total_chunks) - first[req_of]
+    hit = np.where(np.arange(n) % 4 == 0, 0, 640)
+    start = hit[req_of] + idx * 256
+    length = np.minimum(256, plen[req_of] - start)
+    keep = length > 0
+    ev = {}
+    ev["step"] = _write(root, "step", {"step": step_no, "t_start_ns": t_start, "t_sched_end_ns": t_start + MS // 2,
+                                       "t_end_ns": t_start + 8 * MS, "total_tokens": np.full(total_chunks, 256),
+                                       "prefill_tokens": np.full(total_chunks, 256), "pid": np.full(total_chunks, 100)})
+    ev["chunk"] = _write(root, "chunk", {"step": step_no[keep], "request": ids[req_of[keep]], "attempt": np.zeros(keep.sum(), int),
+                                         "chunk_index": idx[keep], "start": start[keep], "length": length[keep],
+                                         "prompt_len": plen[req_of[keep]], "prefill_len": plen[req_of[keep]],
+                                         "last": (start + length >= plen[req_of])[keep].astype(int), "resumed": np.zeros(keep.sum(), int),
+                                         "pid": np.full(keep.sum(), 100)})
+    ev["admit"] = _write(root, "admit", {"step": step_no[first], "request": ids, "attempt": np.zeros(n, int), "prompt_len": plen,
+                                         "prefill_len": plen, "cached_local": hit, "cached_external": np.zeros(n, int), "start": hit,
+                                         "hit_blocks": hit // BS, "pid": np.full(n, 100)})
+    ev["arrive"] = _write(root, "arrive", {"step": step_no[first], "t_ns": t_start[first] - 3 * MS, "request": ids, "pid": np.full(n, 100)})
+    # prompt hashes: groups of 4 share their first 20 blocks
+    group = np.arange(n) // 4
+    nb = plen // BS
+    hashes = []
+    for i in range(n):
+        h = [(1 << 63) | (int(group[i]) << 20) | j for j in range(20)] + [(1 << 62) | (i << 20) | j for j in range(20, int(nb[i]))]
+        hashes.append(h)
+    ev["prompt_blocks"] = _write(root, "prompt_blocks", {"step": step_no[first], "request": ids, "block_size": np.full(n, BS),
+                                                         "prompt_len": plen, "max_output": np.full(n, 8), "num_blocks": nb,
+                                                         "first": np.zeros(n, int), "hashes": hashes, "pid": np.full(n, 100)})
+    # each request (after the first 8) evicts 5 blocks of the request 8 before it: the tail of its private part
+    src = np.arange(n) - 8
+    ok = src >= 0
+    ev_req = np.repeat(np.arange(n)[ok], 5)
+    ev_src = np.repeat(src[ok], 5)
+    ev_j = nb[ev_src] - 1 - np.tile(np.arange(5), ok.sum())
+    ev_hash = [(1 << 62) | (int(s) << 20) | int(j) for s, j in zip(ev_src, ev_j)]
+    ev["evict"] = _write(root, "evict", {"step": step_no[first[ev_req]], "t_ns": t_start[first[ev_req]] + MS // 4,
+                                         "block_hash": ev_hash, "request": ids[ev_req], "pid": np.full(len(ev_req), 100)})
+    lr = np.arange(0, n, 8)
+    ev["kv_load"] = _write(root, "kv_load", {"t_start_ns": t_start[first[lr]] + MS, "t_end_ns": t_start[first[lr]] + 2 * MS,
+                                             "blocks": np.full(len(lr), 20), "nbytes": np.full(len(lr), 20 * 65536),
+                                             "request": ids[lr], "source": np.array(["kvtrace-file"] * len(lr), dtype=object),
+                                             "pid": np.full(len(lr), 101)})
+    half = io_events // 2
+    ts = np.sort(rng.integers(MS, int(t_start[-1]), half))
+    lat = rng.lognormal(11.5, 0.6, half).astype(np.int64)
+    ev["block_io"] = _write(root, "block_io", {"ts_ns": ts, "start_ns": ts - lat, "issue_ns": ts - lat + 2000, "pid": np.full(half, 101),
+                                               "disk": np.array(["nvme0n1", "nvme1n1"], dtype=object)[rng.integers(0, 2, half)],
+                                               "bytes": np.full(half, 65536), "op": np.array(["R"] * half, dtype=object),
+                                               "latency_ns": lat, "queue_ns": np.full(half, 2000), "device_ns": lat - 2000})
+    ts2 = np.sort(rng.integers(MS, int(t_start[-1]), io_events - half))
+    lat2 = rng.lognormal(10.5, 0.7, io_events - half).astype(np.int64)
+    m = io_events - half
+    ev["file_io"] = _write(root, "file_io", {"ts_ns": ts2, "start_ns": ts2 - lat2, "pid": np.full(m, 101), "tid": np.full(m, 102),
+                                             "syscall": np.array(["preadv2"] * m, dtype=object),
+                                             "path": np.array(["/var/tmp/kvblocks/a", "/var/tmp/kvblocks/b"], dtype=object)[rng.integers(0, 2, m)],
+                                             "bytes": np.full(m, 65536), "ret": np.full(m, 65536), "latency_ns": lat2})
+    return ev
+
+
+def bench_analyze(short: bool) -> dict:
+    from kvtrace.analysis.report import analyze
+
+    requests, io = (4_000, 1_000_000) if short else (40_000, 8_700_000)
+    root = Path(tempfile.mkdtemp(prefix="kvtrace-bench-an-"))
+    try:
+        t0 = time.perf_counter()
+        ev = synth(root, requests, io)
+        gen = time.perf_counter() - t0
+        hashes = sum(len(x) for x in pq.read_table(root / "prompt_blocks", columns=["hashes"])["hashes"].to_pylist())
+        analyze(root)  # warm the OS cache
+        t0, c0 = time.perf_counter(), time.process_time()
+        rep = analyze(root)
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        return {"events": sum(ev.values()), "rows": ev, "prompt_block_hashes": hashes, "generate_s": round(gen, 2),
+                "analyze_s": round(dt, 3), "analyze_cpu_s": round(dc, 3), "events_per_s": round(sum(ev.values()) / dt),
+                "load_avg_1m": os.getloadavg()[0],
+                "check": {"hit_rate": rep["reuse"]["hit_rate"], "evictions": rep["chunking"]["evictions"]["evictions"],
+                          "rereferenced": rep["chunking"]["evictions"]["rereferenced"], "chunks": rep["timing"]["chunks"]}}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def bench_whatif(short: bool) -> dict:
+    """Replay of groups of requests sharing long prefixes: lookups dominate."""
+    from kvtrace.analysis.whatif import Replay, Req, Workload
+
+    n, blocks = (400, 500) if short else (2_000, 1_000)
+    reqs = []
+    for i in range(n):
+        g = i % 10
+        chain = [(1 << 63) | (g << 24) | j for j in range(blocks - 10)] + [(1 << 62) | (i << 24) | j for j in range(10)]
+        reqs.append(Req(f"r{i}", i * 1_000_000_000, blocks * 32, 1, chain))
+    wl = Workload(reqs, 32, {}, (5e6, 1e3, 1e5), [])
+    out = []
+    for cache in (blocks * 20, blocks * 60):
+        t0, c0 = time.perf_counter(), time.process_time()
+        s = Replay(wl, 8192, 32, cache).run()
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        out.append({"requests": n, "blocks_per_prompt": blocks, "cache_blocks": cache, "lookups": s["lookups"],
+                    "replay_s": round(dt, 3), "replay_cpu_s": round(dc, 3), "lookups_per_s": round(s["lookups"] / dt),
+                    "lookups_per_cpu_s": round(s["lookups"] / dc), "hit_rate": round(s["hit_rate"], 4),
+                    "evictions": s["evictions"]})
+    return {"runs": out, "lookups_per_s": min(r["lookups_per_s"] for r in out),
+            "lookups_per_cpu_s": min(r["lookups_per_cpu_s"] for r in out)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--short", action="store_true")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    res = {"analyze": bench_analyze(a.short), "whatif": bench_whatif(a.short), "cores": os.cpu_count()}
+    text = json.dumps(res, indent=1)
+    if a.json:
+        Path(a.json).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
