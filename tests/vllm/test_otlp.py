@@ -126,6 +126,11 @@ def run_capture(server, rx, base) -> dict:
             agent.send_signal(signal.SIGINT)
         rc = agent.wait(180)
     assert rc == 0, err.read_text()[-3000:]
+    # vLLM's own account of each request, kept beside the dataset (tests/data/vllm-otlp-capture is one)
+    (base / "vllm_usage.json").write_text(json.dumps(
+        {n: {"prompt_tokens": v["resp"]["usage"]["prompt_tokens"],
+             "cached_tokens": v["resp"]["usage"]["prompt_tokens_details"]["cached_tokens"],
+             "traceparent": v["traceparent"]} for n, v in sent.items()}, indent=1))
     ids = {f"cmpl-{n}-0" for n in sent}
     wait_for(lambda: ids <= {s.attrs.get("gen_ai.request.id") for s in list(rx.got.spans) if s.name == "llm_request"},
              60, "vLLM's llm_request spans")
@@ -251,6 +256,26 @@ def test_export_of_the_dataset_sends_the_same_spans(capture, kvtrace_cli):
         assert r.returncode == 0, r.stderr
         exported = sorted(s.key() for s in rx2.got.spans)
     assert exported == sorted(s.key() for s in c["live"])
+
+
+def test_dataset_reads_back_in_duckdb_and_pandas(capture):
+    import duckdb
+    import pandas as pd
+
+    from kvtrace.dataset import schema
+
+    out = capture["out"]
+    for name in ("requests", "chunks", "steps", "attributions", "chunk", "kv_load", "file_io"):
+        df = pd.read_parquet(out / name)
+        got = duckdb.connect().execute(
+            f"select * from read_parquet('{out}/{name}/*/*/*.parquet', hive_partitioning=true)").df()
+        assert len(df) == len(got) > 0, name
+        if name in schema.TABLES:
+            assert list(df.columns)[1:1 + len(schema.TABLES[name])] == [f.name for f in schema.TABLES[name]], name
+    n = duckdb.connect().execute(
+        f"select count(*) from read_parquet('{out}/chunks/*/*/*.parquet') where bottleneck in "
+        "('storage', 'compute', 'scheduler', 'recompute')").fetchone()[0]
+    assert n == len(pd.read_parquet(out / "chunks"))
 
 
 def test_run_row_reports_the_sink(capture):
