@@ -82,8 +82,10 @@ def test_full_output_disk_stops_writing_cleanly(tmp_path):
         data = tmp_path / "f"
         data.write_bytes(b"x" * 4096)
         log = tmp_path / "progress.jsonl"
+        # ~30k events/s is ~190 KiB of Parquet per 1 s flush: the 1 MiB disk fills after a few
+        # flushes, well before the 12 s workload ends
         p = run_kvtrace("attach", "--quiet", "--out", str(mnt / "ds"), "--", sys.executable, "-c", PROGRESS,
-                        str(data), str(log), "6", "100000", timeout=120)
+                        str(data), str(log), "12", "30000", timeout=120)
         assert p.returncode == 5, p.stderr
         assert "output disk full" in p.stderr and "Traceback" not in p.stderr
         # the traced process was not harmed: it ran its full course
