@@ -68,8 +68,9 @@ def test_sigkill_leaves_no_program_and_a_readable_dataset(tmp_path):
     assert run["status"] == "running"  # it never stopped cleanly
     io = ds.table("file_io")
     mine = io.filter(pc.equal(io["path"].cast("string"), str(data)))
-    # everything up to one flush interval (1 s) before the kill is in the dataset
-    settled = max(c for t, c in progress if t <= kill_ns - 1_500_000_000)
+    # everything up to one flush interval (1 s), plus the time a flush takes on a loaded
+    # machine, before the kill is in the dataset
+    settled = max(c for t, c in progress if t <= kill_ns - 2_000_000_000)
     assert mine.num_rows >= settled
     assert ds.problems == []
 
