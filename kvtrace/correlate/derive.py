@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 
 from kvtrace.correlate.core import Result, correlate
 from kvtrace.correlate.inputs import OVERLAP_PREFIXES, TABLES_USED
-from kvtrace.correlate.requests import Acc, Requests, requests_table, trace_info
+from kvtrace.correlate.requests import Acc, Requests, request_row, requests_table, trace_info
 from kvtrace.dataset import schema
 from kvtrace.errors import DatasetError
 
@@ -80,6 +80,7 @@ class RunCorrelation:
     requests: pa.Table
     accs: list[Acc]
     traces: dict
+    rows: list[dict]  # request_row of each of accs, in that order
 
 
 @contextlib.contextmanager
@@ -96,8 +97,9 @@ def no_gc():
 
 
 def correlate_tables(tables: dict[str, pa.Table], run: str, io_span_bytes: int = 1 << 20):
+    """(Result, closed request accumulators, requests table, trace info per request)."""
     with no_gc():
-        return _correlate_tables(tables, run, io_span_bytes)
+        return _correlate_tables(tables, run, io_span_bytes)[:4]
 
 
 def _correlate_tables(tables: dict[str, pa.Table], run: str, io_span_bytes: int = 1 << 20):
@@ -106,12 +108,14 @@ def _correlate_tables(tables: dict[str, pa.Table], run: str, io_span_bytes: int 
     reqs.add(res)
     traces = {r: trace_info(run, r, a) for r, a in reqs.open.items()}
     accs = reqs.close(None)
-    return res, accs, requests_table(run, accs), traces
+    rows = [request_row(run, a) for a in accs]
+    return res, accs, requests_table(run, accs, rows), traces, rows
 
 
 def correlate_run(root: Path, info: RunInfo, io_span_bytes: int = 1 << 20) -> RunCorrelation:
-    res, accs, req_tbl, traces = correlate_tables(load_run(root, info), info.run, io_span_bytes)
-    return RunCorrelation(info, res, req_tbl, accs, traces)
+    with no_gc():
+        res, accs, req_tbl, traces, rows = _correlate_tables(load_run(root, info), info.run, io_span_bytes)
+    return RunCorrelation(info, res, req_tbl, accs, traces, rows)
 
 
 def write_derived(root: Path, rc: RunCorrelation) -> dict[str, int]:

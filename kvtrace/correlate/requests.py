@@ -168,6 +168,8 @@ def request_row(run: str, a: Acc) -> dict:
     }
 
 
-def requests_table(run: str, accs: list[Acc]) -> pa.Table:
-    rows = sorted((request_row(run, a) for a in accs), key=lambda r: (r["start_ns"], r["request"]))
-    return pa.Table.from_pylist(rows, schema=REQUEST_SCHEMA)
+def requests_table(run: str, accs: list[Acc], rows: list[dict] | None = None) -> pa.Table:
+    """The requests rows (sorted by start) of closed requests; rows: request_row of each, if made."""
+    rows = [request_row(run, a) for a in accs] if rows is None else rows
+    rows = sorted(rows, key=lambda r: (r["start_ns"], r["request"]))
+    return pa.Table.from_pydict({f.name: [r[f.name] for r in rows] for f in REQUEST_SCHEMA}, schema=REQUEST_SCHEMA)

@@ -23,11 +23,14 @@ def spans_of_pass(res, closed, trace_of, run: str, offset: int) -> list[Span]:
     return spans
 
 
-def encoded_spans_of_pass(res, closed, trace_of, run: str, offset: int) -> list[bytes]:
-    """The same spans, encoded (chunk and request spans column-wise): what is sent."""
+def encoded_spans_of_pass(res, closed, trace_of, run: str, offset: int, rows: list[dict] | None = None) -> list[bytes]:
+    """The same spans, encoded (chunk and request spans column-wise): what is sent.  rows: the
+    closed requests' rows when already made (in the order of closed)."""
     out = encoded_chunk_spans(res, trace_of, offset)
     out += encoded_other_spans(res, trace_of, offset)
-    out += encoded_request_spans([request_row(run, a) for a in closed], closed, offset)
+    if rows is None:
+        rows = [request_row(run, a) for a in closed]
+    out += encoded_request_spans(rows, closed, offset)
     return out
 
 
@@ -109,7 +112,7 @@ def replay(root, url: str, protocol: str, run: str | None = None, exporter_kw: d
         resource = encode.resource_attrs(info.host, info.run)
         trace_of = lambda r, t=rc.traces, i=info: t.get(r) or _fallback(i.run, r)  # noqa: E731
         with no_gc():
-            enc = encoded_spans_of_pass(rc.result, rc.accs, trace_of, info.run, info.clock_offset_ns)
+            enc = encoded_spans_of_pass(rc.result, rc.accs, trace_of, info.run, info.clock_offset_ns, rc.rows)
         spans = enc
         exp = Exporter(url, protocol, resource, **(exporter_kw or {"max_queue": 1 << 30, "max_queue_bytes": 1 << 40}))
         exp.submit(enc)
