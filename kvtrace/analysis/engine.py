@@ -83,6 +83,7 @@ class DuckDBEngine(Engine):
         import duckdb
 
         self.con = duckdb.connect(":memory:")
+        self.con.execute("SET enable_progress_bar = false")
         if threads:
             self.con.execute(f"SET threads = {int(threads)}")
 

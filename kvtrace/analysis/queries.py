@@ -18,6 +18,10 @@ def pct(col: str, name: str, ps=(0.5, 0.95, 0.99)) -> str:
     return ", ".join(f"percentile_disc({p}) WITHIN GROUP (ORDER BY {col}) AS {name}_p{int(round(p * 100))}" for p in ps)
 
 
+BUCKET_NS = 10_000_000_000
+BUCKET = "CAST(FLOOR({x} / %d) AS BIGINT)" % BUCKET_NS
+
+
 def views(default_block_size: int = 0) -> list[tuple[str, str]]:
     """(name, SELECT) in creation order."""
     return [
@@ -42,11 +46,21 @@ def views(default_block_size: int = 0) -> list[tuple[str, str]]:
                      UNION ALL SELECT run, pid, CAST(cached_local / hit_blocks AS BIGINT) AS b FROM adm WHERE hit_blocks > 0
                    ) u ON u.run = s.run AND u.pid = s.pid GROUP BY s.run, s.pid"""),
         # storage wait per step: the union of KV-load intervals inside the step's execute window
-        ("swait", """WITH ld AS (
-                       SELECT s.run, s.pid, s.step, GREATEST(l.t_start_ns, s.t_sched_end_ns) AS a,
-                              LEAST(l.t_end_ns, s.t_end_ns) AS b
-                       FROM stp s JOIN kv_load l ON l.run = s.run AND l.t_start_ns < s.t_end_ns
-                                                 AND l.t_end_ns > s.t_sched_end_ns),
+        # (steps and loads meet in 10 s time buckets: an equi-join instead of a range join; loads
+        # longer than a bucket take the range join)
+        ("swait", f"""WITH sb AS (SELECT run, pid, step, t_sched_end_ns, t_end_ns, {BUCKET.format(x='t_sched_end_ns')} AS bk FROM stp
+                           UNION SELECT run, pid, step, t_sched_end_ns, t_end_ns, {BUCKET.format(x='t_end_ns')} AS bk FROM stp),
+                     lb AS (SELECT run, t_start_ns, t_end_ns, {BUCKET.format(x='t_start_ns')} AS bk FROM kv_load
+                            UNION SELECT run, t_start_ns, t_end_ns, {BUCKET.format(x='t_end_ns')} AS bk FROM kv_load),
+                     pairs AS (
+                       SELECT DISTINCT s.run, s.pid, s.step, s.t_sched_end_ns, s.t_end_ns, l.t_start_ns AS ls, l.t_end_ns AS le
+                       FROM sb s JOIN lb l ON l.run = s.run AND l.bk = s.bk
+                       WHERE l.t_start_ns < s.t_end_ns AND l.t_end_ns > s.t_sched_end_ns
+                       UNION
+                       SELECT s.run, s.pid, s.step, s.t_sched_end_ns, s.t_end_ns, l.t_start_ns AS ls, l.t_end_ns AS le
+                       FROM stp s JOIN kv_load l ON l.run = s.run AND l.t_start_ns < s.t_end_ns AND l.t_end_ns > s.t_sched_end_ns
+                       WHERE l.t_end_ns - l.t_start_ns >= {BUCKET_NS}),
+                     ld AS (SELECT run, pid, step, GREATEST(ls, t_sched_end_ns) AS a, LEAST(le, t_end_ns) AS b FROM pairs),
                      o AS (SELECT run, pid, step, a, b, MAX(b) OVER (PARTITION BY run, pid, step ORDER BY a, b
                            ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS pe FROM ld)
                      SELECT run, pid, step, SUM(GREATEST(b - GREATEST(a, COALESCE(pe, a)), 0)) AS wait_ns
@@ -106,6 +120,18 @@ def views(default_block_size: int = 0) -> list[tuple[str, str]]:
                        SELECT path, regexp_extract(path, '^(.*)/', 1) AS dir FROM (SELECT DISTINCT path FROM file_io) p
                        WHERE {STORAGE_PATH}) d ON d.path = f.path
                      WHERE f.syscall IN {READS} AND f.ret >= 0"""),
+        # first admissions with their hit and hittable blocks, and the requests in flight when they
+        # were admitted that share their first block (chained hashes: any shared block implies it)
+        ("ifadm", """SELECT a.run, a.pid, a.request, a.step, z.bs,
+                     CAST(FLOOR((a.cached_local + a.cached_external) / z.bs) AS BIGINT) AS hitb,
+                     CAST(FLOOR((a.prompt_len - 1) / z.bs) AS BIGINT) AS cap
+                     FROM adm a JOIN bsz z ON z.run = a.run AND z.pid = a.pid WHERE a.attempt = 0 AND z.bs > 0"""),
+        ("ifpairs", """WITH p0 AS (SELECT DISTINCT run, pid, request, hash FROM pblock WHERE idx = 0)
+                     SELECT DISTINCT b.run, b.pid, b.request, o.request AS other
+                     FROM ifadm b JOIN p0 x ON x.run = b.run AND x.pid = b.pid AND x.request = b.request
+                     JOIN p0 o ON o.run = x.run AND o.pid = x.pid AND o.hash = x.hash AND o.request <> x.request
+                     JOIN span s ON s.run = o.run AND s.pid = o.pid AND s.request = o.request
+                     WHERE s.first_step < b.step AND s.last_step > b.step"""),
         ("loads", """SELECT run, request, COUNT(*) AS n, SUM(t_end_ns - t_start_ns) AS load_ns, SUM(blocks) AS blocks,
                      SUM(nbytes) AS bytes FROM kv_load WHERE request IS NOT NULL AND request <> ''
                      GROUP BY run, request"""),
@@ -157,24 +183,17 @@ FIGURES: dict[str, str] = {
     "prompt_tails": """SELECT COUNT(*) AS requests, COALESCE(SUM(CASE WHEN a.prompt_len % b.bs <> 0 THEN 1 ELSE 0 END), 0)
         AS with_tail, COALESCE(SUM(a.prompt_len % b.bs), 0) AS tail_tokens
         FROM adm a JOIN bsz b ON b.run = a.run AND b.pid = a.pid WHERE a.attempt = 0 AND b.bs > 0""",
-    "inflight": """WITH b AS (
-          SELECT a.run, a.pid, a.request, a.step, z.bs,
-                 CAST(FLOOR((a.cached_local + a.cached_external) / z.bs) AS BIGINT) AS hitb,
-                 CAST(FLOOR((a.prompt_len - 1) / z.bs) AS BIGINT) AS cap
-          FROM adm a JOIN bsz z ON z.run = a.run AND z.pid = a.pid WHERE a.attempt = 0 AND z.bs > 0),
-        common AS (
-          SELECT b.run, b.pid, b.request, pa.request AS other, COUNT(*) AS blocks
-          FROM b JOIN pblock pb ON pb.run = b.run AND pb.pid = b.pid AND pb.request = b.request
-          JOIN pblock pa ON pa.run = pb.run AND pa.pid = pb.pid AND pa.hash = pb.hash AND pa.idx = pb.idx
-                        AND pa.request <> pb.request
-          JOIN span s ON s.run = pa.run AND s.pid = pa.pid AND s.request = pa.request
-          WHERE s.first_step < b.step AND s.last_step > b.step
-          GROUP BY b.run, b.pid, b.request, pa.request),
+    "inflight": """WITH common AS (
+          SELECT pr.run, pr.pid, pr.request, pr.other, COUNT(*) AS blocks
+          FROM ifpairs pr JOIN pblock pb ON pb.run = pr.run AND pb.pid = pr.pid AND pb.request = pr.request
+          JOIN pblock pa ON pa.run = pb.run AND pa.pid = pb.pid AND pa.request = pr.other AND pa.idx = pb.idx
+                        AND pa.hash = pb.hash
+          GROUP BY pr.run, pr.pid, pr.request, pr.other),
         best AS (SELECT run, pid, request, MAX(blocks) AS blocks, COUNT(*) AS suppliers FROM common
                  GROUP BY run, pid, request)
         SELECT b.run, b.request, b.step, b.hitb AS hit_blocks, x.blocks AS shared_blocks, x.suppliers,
                (LEAST(x.blocks, b.cap) - b.hitb) * b.bs AS missed_tokens
-        FROM b JOIN best x ON x.run = b.run AND x.pid = b.pid AND x.request = b.request
+        FROM ifadm b JOIN best x ON x.run = b.run AND x.pid = b.pid AND x.request = b.request
         WHERE LEAST(x.blocks, b.cap) > b.hitb ORDER BY b.run, b.step, b.request""",
     "evictions": "SELECT COUNT(*) AS evictions FROM evict",
     "reref_outcome": """SELECT outcome, COUNT(*) AS blocks, SUM(bs) AS tokens FROM reref GROUP BY outcome ORDER BY outcome""",
