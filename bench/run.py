@@ -57,29 +57,6 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--short", action="store_true")
-    a = ap.parse_args()
-    out = HERE / "results"
-    out.mkdir(exist_ok=True)
-    results = {"date": dt.date.today().isoformat(), "machine": machine(), "short": a.short}
-    for name in BENCHES:
-        path = out / f"{name}{'-short' if a.short else ''}.json"
-        cmd = [sys.executable, str(HERE / f"{name}.py"), "--json", str(path)] + (["--short"] if a.short else [])
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        results[name] = json.loads(path.read_text())
-    suffix = "-short" if a.short else ""
-    (out / f"results{suffix}.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / f"results{suffix}.md").write_text(markdown(results))
-    print(markdown(results))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def correlate_markdown(c: dict) -> list[str]:
     g, h = c["export_grpc"], c["export_http"]
     return [
@@ -102,3 +79,27 @@ def correlate_markdown(c: dict) -> list[str]:
         f"- offline: peak RSS {c['peak_rss_mib']} MiB (the whole recorded run in memory: {c['rss_before_correlation_mib']} MiB "
         f"before correlating); encoded spans {c['encoded_bytes_mib']} MiB; dropped gRPC {g['dropped']}, HTTP {h['dropped']}",
     ]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--short", action="store_true")
+    a = ap.parse_args()
+    out = HERE / "results"
+    out.mkdir(exist_ok=True)
+    results = {"date": dt.date.today().isoformat(), "machine": machine(), "short": a.short}
+    for name in BENCHES:
+        path = out / f"{name}{'-short' if a.short else ''}.json"
+        cmd = [sys.executable, str(HERE / f"{name}.py"), "--json", str(path)] + (["--short"] if a.short else [])
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        results[name] = json.loads(path.read_text())
+    suffix = "-short" if a.short else ""
+    (out / f"results{suffix}.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / f"results{suffix}.md").write_text(markdown(results))
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
