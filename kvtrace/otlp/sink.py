@@ -4,6 +4,8 @@ spans.  Spans are encoded on the caller's thread and queued; the exporter's thre
 """
 from __future__ import annotations
 
+import queue
+import threading
 import time
 
 from kvtrace.correlate.live import LiveCorrelator
@@ -40,7 +42,8 @@ class OtlpSink:
     name = "otlp"
 
     def __init__(self, url: str, protocol: str, run: str, host: str, clock_offset_ns: int, *,
-                 lateness_s: float = 3.0, exporter_kw: dict | None = None, correlator_kw: dict | None = None):
+                 lateness_s: float = 3.0, exporter_kw: dict | None = None, correlator_kw: dict | None = None,
+                 inbox: int = 8):
         self.run, self.offset = run, clock_offset_ns
         self.resource = encode.resource_attrs(host, run)
         self.exporter = Exporter(url, protocol, self.resource, **(exporter_kw or {}))
@@ -50,14 +53,33 @@ class OtlpSink:
         self.errors = 0
         self.last_error = ""
         self.finished = False
+        # correlation runs on its own thread: the flush loop (Parquet, the ring buffer) never waits for it
+        self.inbox: queue.Queue = queue.Queue(maxsize=inbox)
+        self.input_dropped_batches = self.input_dropped_rows = 0
+        self.thread = threading.Thread(target=self._run, name="kvtrace-otlp-correlate", daemon=True)
+        self.thread.start()
 
     def consume(self, tables) -> None:
+        """Hand one flush's tables to the sink's thread; never waits (a full inbox drops, counted)."""
+        if self.finished:
+            return
         try:
-            self.live.feed(tables)
-            self._advance(time.monotonic_ns())
-        except Exception as e:  # a correlation bug must not stop capture
-            self.errors += 1
-            self.last_error = f"{type(e).__name__}: {e}"[:300]
+            self.inbox.put_nowait(tables)
+        except queue.Full:
+            self.input_dropped_batches += 1
+            self.input_dropped_rows += sum(t.num_rows for t in tables.values())
+
+    def _run(self) -> None:
+        while True:
+            tables = self.inbox.get()
+            if tables is None:
+                return
+            try:
+                self.live.feed(tables)
+                self._advance(time.monotonic_ns())
+            except Exception as e:  # a correlation bug must not stop capture
+                self.errors += 1
+                self.last_error = f"{type(e).__name__}: {e}"[:300]
 
     def _advance(self, now: int | None) -> None:
         res, closed = self.live.advance(now)
@@ -73,6 +95,8 @@ class OtlpSink:
         if self.finished:
             return
         self.finished = True
+        self.inbox.put(None)  # after every queued flush
+        self.thread.join()
         try:
             self._advance(None)
         except Exception as e:
@@ -83,18 +107,26 @@ class OtlpSink:
     def close(self) -> None:
         if not self.finished:
             self.finished = True
+            try:
+                self.inbox.put_nowait(None)
+            except queue.Full:
+                pass
             self.exporter.close(1.0)
 
     def stats(self) -> dict:
         return {"name": self.name, "url": self.exporter.url, "protocol": self.exporter.protocol,
                 "spans_built": self.spans, "correlation_errors": self.errors, "last_correlation_error": self.last_error,
                 "buffered_rows": self.live.buffered(), "buffer_dropped_rows": self.live.dropped_rows,
-                "requests_forced_closed": self.live.requests.forced, **self.exporter.stats.as_dict()}
+                "requests_forced_closed": self.live.requests.forced, "input_dropped_batches": self.input_dropped_batches,
+                "input_dropped_rows": self.input_dropped_rows, **self.exporter.stats.as_dict()}
 
     def describe(self) -> str:
         line = self.exporter.describe()
         if self.live.dropped_rows:
             line += f"; {self.live.dropped_rows} rows dropped from the correlation window (memory bound)"
+        if self.input_dropped_rows:
+            line += (f"; {self.input_dropped_rows} rows of {self.input_dropped_batches} flushes not correlated "
+                     "(correlation fell behind)")
         if self.errors:
             line += f"; {self.errors} correlation errors ({self.last_error})"
         return line
