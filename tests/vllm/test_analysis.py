@@ -2,8 +2,8 @@
 
 One shared-prefix workload (kvtrace.vllm.workload, sequential, seed fixed) runs twice, with
 the agent attached, at two settings:
-  A  chunk budget 256 tokens, 512 KV blocks (the first prompt's prefix survives to its repeat)
-  B  chunk budget 512 tokens,  90 KV blocks (it does not)
+  A  chunk budget 256 tokens, 640 KV blocks: nothing is evicted, the first prompt hits in full when repeated
+  B  chunk budget 512 tokens,  90 KV blocks: evictions, and the repeat misses
 For each, kvtrace's token-weighted hit rate must equal vLLM's own (sum of `cached_tokens` over
 sum of `prompt_tokens` in its responses) within 0.5 points.  Before B runs, `whatif` predicts B
 from A's dataset; B's measured hit rate must be within 2 points and its evictions (the hook's
@@ -31,7 +31,7 @@ from tests.unit.analysis_fixture import png_pixels
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = ["--block-size", "32", "--enable-prefix-caching", "--enable-prompt-tokens-details", "--max-model-len", "2048"]
-SETTINGS = {"A": {"chunk": 256, "blocks": 512}, "B": {"chunk": 512, "blocks": 90}}
+SETTINGS = {"A": {"chunk": 256, "blocks": 640}, "B": {"chunk": 512, "blocks": 90}}
 METRICS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:external_prefix_cache_hits_total")
 
 
@@ -115,7 +115,8 @@ def test_hit_rate_equals_vllm(runs, setting):
     m = res["metrics"]
     assert m["vllm:prefix_cache_queries_total"] == prompt
     assert m["vllm:prefix_cache_hits_total"] == reuse["hit_local"]
-    assert rep["chunking"]["evictions"]["evictions"] > 0, "the workload did not evict"
+    if setting == "B":
+        assert rep["chunking"]["evictions"]["evictions"] > 0, "the workload did not evict"
     assert rep["reuse"]["by_chunk_index"][0]["chunk_index"] == 0
     assert all(x["hit"] == 0 for x in rep["reuse"]["by_chunk_index"][1:]), "a later chunk was counted as a hit"
     assert rep["verdict"]["bottleneck"] in ("compute", "queueing", "storage")
