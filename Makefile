@@ -4,7 +4,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup setup-vllm demo test unit bench bench-short clean
+.PHONY: setup setup-vllm demo test unit lab bench bench-short clean
 
 setup:
 	bash scripts/setup-host
@@ -21,6 +21,13 @@ test: setup-vllm
 
 unit: setup
 	$(PY) -m pytest -q tests/unit
+
+# The storage lab alone (tests/lab; `make test` runs it too): Debian's 6.1 kernel under QEMU
+# with NVMe over PCIe, TCP and RDMA (soft-RoCE), kvtrace attached inside, checked against
+# the kernel's own accounting.  Image cached in /var/cache/kvtrace/lab.
+lab: setup
+	$(PY) -m pytest -q -rs tests/lab
+	@cat /var/cache/kvtrace/lab/last-run/timings.json 2>/dev/null && echo || true
 
 bench: setup-vllm
 	$(PY) bench/run.py

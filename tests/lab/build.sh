@@ -126,8 +126,12 @@ step=image
 cp "$root/boot/vmlinuz-$krel" "$cache/image/vmlinuz.new"
 cp "$root/boot/initrd.img-$krel" "$cache/image/initrd.img.new"
 rm -f "$cache/image/rootfs.img.new"
+cleanup_mounts
+left=$(findmnt -rn -o TARGET | { grep -F "$root/" || true; })
+[ -z "$left" ] || fail "still mounted under the root tree: $left"
 mke2fs -q -t ext4 -L kvtrace-lab -E lazy_itable_init=0,lazy_journal_init=0 \
-  -d "$root" "$cache/image/rootfs.img.new" "$img_size" || fail "mke2fs -d could not write the image"
+  -d "$root" "$cache/image/rootfs.img.new" "$img_size" >"$build/mke2fs.log" 2>&1 \
+  || fail "mke2fs -d could not write the image: $(tail -n 2 "$build/mke2fs.log" | tr '\n' ' ')"
 for f in rootfs.img vmlinuz initrd.img; do mv -f "$cache/image/$f.new" "$cache/image/$f"; done
 echo "$krel" >"$cache/image/kernel-release"
 echo "$stamp" >"$cache/image/stamp"

@@ -250,9 +250,14 @@ def cmd_run(a) -> None:
         os.makedirs(ns["mount"], exist_ok=True)
         sh("mount", "-o", "ro,noatime", f"/dev/{ns['head']}", ns["mount"])
     # 2. the reads, one phase per namespace and mode
+    cpus = sorted(os.sched_getaffinity(0))
     for name, ns in nss.items():
         digests = json.loads(Path(cfg["namespaces"][name]["manifest"]).read_text())
-        for mode in cfg.get("modes", ["direct", "buffered"]):
+        for i, mode in enumerate(cfg.get("modes", ["direct", "buffered"])):
+            # one CPU per mode: blk-mq maps each CPU to its own hardware queue, so every
+            # NVMe I/O queue carries a phase of its own
+            cpu = cpus[i % len(cpus)]
+            os.sched_setaffinity(0, {cpu})
             drop_caches()
             disks = sorted({ns["head"], ns["path"]})
             before = {d: disk_stat(d) for d in disks}
@@ -260,13 +265,14 @@ def cmd_run(a) -> None:
             t0 = now()
             r = read_blocks(ns["mount"], mode, digests)
             t1 = now()
-            ph = {"ns": name, "mode": mode, "t0": t0, "t1": t1, **r,
+            ph = {"ns": name, "mode": mode, "cpu": cpu, "t0": t0, "t1": t1, **r,
                   "stat_before": before, "stat_after": {d: disk_stat(d) for d in disks}}
             if rb is not None:
                 ph["rdma_before"], ph["rdma_after"] = rb, rdma_counters()
             res["phases"].append(ph)
             print(f"LAB-PHASE {name} {mode}: {r['files']} files, {r['bytes']} bytes, {r['calls']} calls, "
                   f"{(t1 - t0) / 1e6:.0f} ms{', CORRUPT ' + str(r['corrupt']) if r['corrupt'] else ''}", flush=True)
+    os.sched_setaffinity(0, cpus)
     # 3. the end of the run: nothing of the lab does I/O after this
     res["tcp_sockets"] = {str(ns["trsvcid"]): tcp_sockets(int(ns["trsvcid"])) for ns in nss.values()
                           if ns["transport"] == "tcp"}
