@@ -37,7 +37,7 @@ def traced(path: str, seconds: float, rate: float, ringbuf_pages: int = 1024) ->
         res = os.path.join(d, "r.json")
         t0 = time.monotonic()
         p = subprocess.run(
-            [PY, "-m", "kvtrace", "attach", "--quiet", "--probe", "fileio", "--no-writes", "--ringbuf-pages", str(ringbuf_pages),
+            [PY, "-m", "kvtrace", "attach", "--quiet", "--sampling", "off", "--probe", "fileio", "--no-writes", "--ringbuf-pages", str(ringbuf_pages),
              "--out", os.path.join(d, "ds"), "--", *producer(path, seconds, rate), "--result", res],
             capture_output=True, text=True, check=True,
         )

@@ -108,6 +108,7 @@ def big_run(n_requests: int, shared_rows: int, seed: int = 7) -> dict[str, pa.Ta
         "offset": pa.array(np.zeros(shared_rows, np.int64)), "requested": pa.array(np.full(shared_rows, 4096, np.uint64)),
         "iovcnt": pa.array(np.zeros(shared_rows, np.uint32)), "bytes": pa.array(np.full(shared_rows, 4096, np.uint64)),
         "ret": pa.array(np.full(shared_rows, 4096, np.int64)), "latency_ns": pa.array(lat.astype(np.int64)),
+        "weight": pa.array(np.ones(shared_rows, np.uint32)),
     }).cast(f)
     bs = start[:n_blk]
     block_io = pa.table({
@@ -118,7 +119,7 @@ def big_run(n_requests: int, shared_rows: int, seed: int = 7) -> dict[str, pa.Ta
         "sector": pa.array(np.arange(n_blk, dtype=np.uint64) * 8), "bytes": pa.array(np.full(n_blk, 4096, np.uint64)),
         "op": pa.array(["R"] * n_blk), "rwbs": pa.array(["R"] * n_blk), "error": pa.array(np.zeros(n_blk, np.int32)),
         "queue_ns": pa.array(np.full(n_blk, 1000, np.int64)), "device_ns": pa.array(np.full(n_blk, 49_000, np.int64)),
-        "latency_ns": pa.array(np.full(n_blk, 50_000, np.int64)),
+        "latency_ns": pa.array(np.full(n_blk, 50_000, np.int64)), "weight": pa.array(np.ones(n_blk, np.uint32)),
     }).cast(schema.TABLES["block_io"])
     tables["file_io"] = pa.concat_tables([tables["file_io"].cast(f), file_io])
     tables["block_io"] = pa.concat_tables([tables["block_io"].cast(schema.TABLES["block_io"]), block_io])

@@ -110,8 +110,9 @@ class Pipeline:
             self.totals.events[name] = self.totals.events.get(name, 0) + table.num_rows
             if name == "file_io":
                 reads = pc.is_in(table["syscall"], pa.array(["read", "pread64", "readv", "preadv", "preadv2"]))
-                self.totals.bytes_read += int(pc.sum(pc.if_else(reads, table["bytes"], 0)).as_py() or 0)
-                self.totals.bytes_written += int(pc.sum(pc.if_else(reads, 0, table["bytes"])).as_py() or 0)
+                nbytes = pc.multiply(table["bytes"], table["weight"].cast(pa.uint64())) if "weight" in table.column_names else table["bytes"]
+                self.totals.bytes_read += int(pc.sum(pc.if_else(reads, nbytes, 0)).as_py() or 0)
+                self.totals.bytes_written += int(pc.sum(pc.if_else(reads, 0, nbytes)).as_py() or 0)
             self.writer.add(name, table)
         for sink in self.sinks:
             sink.consume(tables)
@@ -158,7 +159,16 @@ class Pipeline:
             "dropped_events": self.source.dropped,
             "sidecars": json.dumps([{"name": getattr(s, "name", type(s).__name__), **s.stats()} for s in self.sidecars]),
             "sinks": json.dumps([s.stats() for s in self.sinks]),
+            "sampling": json.dumps(self.sampling()),
         }
+
+    def sampling(self) -> dict:
+        """Raw-event sampling per table (kvtrace.capture.agg), for the run row."""
+        out = {}
+        for sidecar in self.sidecars:
+            if hasattr(sidecar, "sampling"):
+                out.update(sidecar.sampling())
+        return out
 
     def finish(self) -> None:
         for sidecar in self.sidecars:

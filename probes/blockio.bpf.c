@@ -4,7 +4,8 @@
  * softirq context), so the request is remembered at block_io_start (6.5+) or, on older
  * kernels, block_bio_queue, keyed by (dev, sector), stamped at block_rq_issue, and
  * emitted at block_rq_complete with queue and device latency.  Partial completions emit
- * one event per completed part and re-key the remainder.
+ * one event per completed part and re-key the remainder.  Each part is also counted in the
+ * aggregation maps (kvtrace.h) per (pid, device, op) before the raw event is sampled.
  */
 
 #include "kvtrace.h"
@@ -36,7 +37,7 @@ struct kv_block_event {
     u32 dev;
     u32 bytes;
     s32 error;
-    u32 pad;
+    u32 weight;    /* events this one stands for (1 unless sampled) */
     char rwbs[8];
     char comm[16];
 };
@@ -75,6 +76,26 @@ TRACEPOINT_PROBE(block, block_bio_queue)
 }
 #endif
 
+/* The request's operation from its rwbs flags, as kvtrace/capture/blockio.py op_of(). */
+static __always_inline u16 kv_block_op(const char *rwbs)
+{
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        char c = rwbs[i];
+        if (c == 0)
+            break;
+        if (c == 'R')
+            return 0;
+        if (c == 'W')
+            return 1;
+        if (c == 'D')
+            return 2;
+        if (c == 'F')
+            return 3;
+    }
+    return 4;
+}
+
 TRACEPOINT_PROBE(block, block_rq_issue)
 {
     struct kv_block_key k = {};
@@ -107,19 +128,30 @@ TRACEPOINT_PROBE(block, block_rq_complete)
         more.bytes = st.bytes - done;
         block_start.update(&rest, &more);
     }
+    u64 now = bpf_ktime_get_ns();
+    u64 queue = st.ts_issue ? st.ts_issue - st.ts_start : 0;
+    u64 device = now - (st.ts_issue ? st.ts_issue : st.ts_start);
+    int error = args->error;
+    kv_aggregate(KV_KIND_BLOCK, st.tgid, k.dev, kv_block_op(st.rwbs), error ? 0 : done, error != 0,
+                 now - st.ts_start, queue, device);
+    u32 weight = kv_sample(KV_KIND_BLOCK);
+    if (!weight)
+        return 0;
     struct kv_block_event *e = events.ringbuf_reserve(sizeof(struct kv_block_event));
     if (!e) {
-        kv_count_lost(KV_KIND_BLOCK);
+        kv_sample_lost(KV_KIND_BLOCK, weight);
         return 0;
     }
+    kv_sample_ok(KV_KIND_BLOCK);
     kv_fill_hdr(&e->h, KV_KIND_BLOCK, sizeof(*e), st.tgid, st.tid);
+    e->h.ts = now;
     e->ts_start = st.ts_start;
     e->ts_issue = st.ts_issue;
     e->sector = k.sector;
     e->dev = k.dev;
     e->bytes = done;
-    e->error = args->error;
-    e->pad = 0;
+    e->error = error;
+    e->weight = weight;
     __builtin_memcpy(e->rwbs, st.rwbs, sizeof(e->rwbs));
     __builtin_memcpy(e->comm, st.comm, sizeof(e->comm));
     events.ringbuf_submit(e, 0);

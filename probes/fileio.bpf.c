@@ -2,7 +2,8 @@
  *
  * Each call is remembered at sys_enter_* by thread id and emitted at sys_exit_* with the
  * result and latency.  Paths come from fdopen.bpf.c (openat results) and, for files
- * opened before the attach, from /proc/PID/fd in user space.
+ * opened before the attach, from /proc/PID/fd in user space.  Every call is also counted in
+ * the aggregation maps (kvtrace.h) per (pid, system call) before the raw event is sampled.
  */
 
 #include "kvtrace.h"
@@ -33,7 +34,8 @@ struct kv_fileio_event {
     s64 pos;       /* -1 when the call has no offset */
     u64 count;     /* bytes asked for; the iovec count for the vector calls */
     s32 fd;
-    u32 sys;       /* KV_SYS_* */
+    u16 sys;       /* KV_SYS_* */
+    u16 weight;    /* events this one stands for (1 unless sampled) */
 };
 
 BPF_TABLE("lru_hash", u32, struct kv_sys_start, sys_start, KV_MAX_INFLIGHT);
@@ -63,18 +65,29 @@ static __always_inline int kv_sys_exit(s64 ret)
         return 0;
     struct kv_sys_start st = *s;
     sys_start.delete(&tid);
+    u64 now = bpf_ktime_get_ns();
+    int vector = st.sys == KV_SYS_READV || st.sys == KV_SYS_PREADV || st.sys == KV_SYS_PREADV2 ||
+                 st.sys == KV_SYS_WRITEV || st.sys == KV_SYS_PWRITEV || st.sys == KV_SYS_PWRITEV2;
+    kv_aggregate(KV_KIND_FILEIO, id >> 32, 0, st.sys, ret > 0 ? ret : 0, ret < 0, now - st.ts,
+                 vector ? 0 : st.count, 0);
+    u32 weight = kv_sample(KV_KIND_FILEIO);
+    if (!weight)
+        return 0;
     struct kv_fileio_event *e = events.ringbuf_reserve(sizeof(struct kv_fileio_event));
     if (!e) {
-        kv_count_lost(KV_KIND_FILEIO);
+        kv_sample_lost(KV_KIND_FILEIO, weight);
         return 0;
     }
+    kv_sample_ok(KV_KIND_FILEIO);
     kv_fill_hdr(&e->h, KV_KIND_FILEIO, sizeof(*e), id >> 32, tid);
+    e->h.ts = now;
     e->ts_enter = st.ts;
     e->ret = ret;
     e->pos = st.pos;
     e->count = st.count;
     e->fd = st.fd;
     e->sys = st.sys;
+    e->weight = weight;
     events.ringbuf_submit(e, 0);
     return 0;
 }

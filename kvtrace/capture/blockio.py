@@ -1,10 +1,11 @@
-"""Decoder for probes/blockio.bpf.c: one row per completed block request (table ``block_io``)."""
+"""Decoder for probes/blockio.bpf.c: one row per completed block request (table ``block_io``;
+under sampling one row per ``weight`` requests, see kvtrace/capture/agg.py)."""
 from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
 
-from kvtrace.capture.events import KIND_BLOCK, DecodeContext, cstr, decode_array, struct_dtype
+from kvtrace.capture.events import KIND_BLOCK, DecodeContext, cstr, decode_array, struct_dtype, weights
 
 NAME = "blockio"
 KIND = KIND_BLOCK
@@ -19,7 +20,7 @@ DTYPE = struct_dtype(
         ("dev", "<u4"),
         ("bytes", "<u4"),
         ("error", "<i4"),
-        ("pad", "<u4"),
+        ("weight", "<u4"),
         ("rwbs", "S8"),
         ("comm", "S16"),
     ]
@@ -71,5 +72,6 @@ def decode(raw: list[bytes], ctx: DecodeContext) -> pa.Table:
             "queue_ns": pa.array(np.where(issued, issue - start, 0), pa.int64()),
             "device_ns": pa.array(np.where(issued, end - issue, end - start), pa.int64()),
             "latency_ns": pa.array(end - start, pa.int64()),
+            "weight": pa.array(weights(a["weight"]), pa.uint32()),
         }
     )

@@ -59,6 +59,12 @@ def decode_array(raw: list[bytes], dtype: np.dtype) -> np.ndarray:
     return np.frombuffer(b"".join(good), dtype=dtype)
 
 
+def weights(col: np.ndarray) -> np.ndarray:
+    """Sampling weights of raw events (events each row stands for); 0 in records written
+    before the field existed (it was padding) means 1."""
+    return np.maximum(col.astype(np.uint32), 1)
+
+
 def cstr(col: np.ndarray) -> list[str]:
     """Fixed-size C char arrays (numpy 'S') to Python strings, cut at the first NUL."""
     return [b.split(b"\0", 1)[0].decode("utf-8", "replace") for b in col.tolist()]

@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvtrace.capture import fdopen
-from kvtrace.capture.events import KIND_FILEIO, DecodeContext, decode_array, struct_dtype
+from kvtrace.capture.events import KIND_FILEIO, DecodeContext, decode_array, struct_dtype, weights
 
 NAME = "fileio"
 KIND = KIND_FILEIO
@@ -20,7 +20,8 @@ DTYPE = struct_dtype(
         ("pos", "<i8"),
         ("count", "<u8"),
         ("fd", "<i4"),
-        ("sys", "<u4"),
+        ("sys", "<u2"),
+        ("weight", "<u2"),
     ]
 )
 SYSCALLS = ["read", "pread64", "readv", "preadv", "preadv2", "write", "pwrite64", "writev", "pwritev", "pwritev2"]
@@ -75,5 +76,6 @@ def decode(raw: list[bytes], ctx: DecodeContext) -> pa.Table:
             "bytes": pa.array(np.maximum(ret, 0).astype(np.uint64), pa.uint64()),
             "ret": pa.array(ret, pa.int64()),
             "latency_ns": pa.array(a["ts"].astype(np.int64) - a["ts_enter"].astype(np.int64), pa.int64()),
+            "weight": pa.array(weights(a["weight"]), pa.uint32()),
         }
     )

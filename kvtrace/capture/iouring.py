@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from kvtrace.capture.events import KIND_URING, DecodeContext, decode_array, struct_dtype
+from kvtrace.capture.events import KIND_URING, DecodeContext, decode_array, struct_dtype, weights
 
 NAME = "iouring"
 KIND = KIND_URING
@@ -17,7 +17,8 @@ DTYPE = struct_dtype(
         ("user_data", "<u8"),
         ("res", "<i4"),
         ("cflags", "<u4"),
-        ("opcode", "<u4"),
+        ("opcode", "<u2"),
+        ("weight", "<u2"),
         ("complete_tid", "<u4"),
     ]
 )
@@ -67,5 +68,6 @@ def decode(raw: list[bytes], ctx: DecodeContext) -> pa.Table:
             "res": pa.array(a["res"], pa.int32()),
             "bytes": pa.array(np.where(data & (res > 0), res, 0).astype(np.uint64), pa.uint64()),
             "latency_ns": pa.array(a["ts"].astype(np.int64) - a["ts_submit"].astype(np.int64), pa.int64()),
+            "weight": pa.array(weights(a["weight"]), pa.uint32()),
         }
     )

@@ -153,6 +153,10 @@ def start_vllm_streams(server, kv_events: str | None, kv_replay: str | None, met
 @click.option("--ringbuf-pages", type=int, default=4096, show_default=True, help="Ring buffer size in pages (a power of two).")
 @click.option("--flush-interval", type=float, default=1.0, show_default=True, help="Seconds between Parquet part files (a crash loses at most this much).")
 @click.option("--quiet", is_flag=True, help="No live status line.")
+@click.option("--sampling", "sampling", default="auto", show_default=True, metavar="auto|off|N",
+              help="Raw block/file/io_uring events: auto samples them (1 in N, each row with its weight) while the ring "
+                   "buffer overflows and stops once it keeps up; off never samples (losses are counted); N keeps 1 in N. "
+                   "The *_agg tables count every event in the kernel either way.")
 @click.option("--raw-out", type=click.Path(dir_okay=False), default=None, help="Also keep the raw ring-buffer records in this file (for bug reports and decoder tests).")
 @click.option("--port", type=int, default=None, help="Trace the vLLM server listening on this port (API server, EngineCore, Workers).")
 @click.option("--yes", is_flag=True, help="Without --pid or a command: attach to the only vLLM server found.")
@@ -165,7 +169,7 @@ def start_vllm_streams(server, kv_events: str | None, kv_replay: str | None, met
 @click.option("--inject/--no-inject", default=True, show_default=True, help="Inject the vLLM hook into the server's EngineCore and Workers (removed again at the end).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @fabric.options
-def command(pids, out, duration, probe_names, no_writes, ringbuf_pages, flush_interval, quiet, raw_out, port, yes,
+def command(pids, out, duration, probe_names, no_writes, ringbuf_pages, flush_interval, quiet, sampling, raw_out, port, yes,
             kv_events, kv_replay, metrics_url, metrics_interval, otlp, otlp_protocol, inject, command) -> int:
     """Attach kernel probes to processes and record their I/O.
 
@@ -174,7 +178,10 @@ def command(pids, out, duration, probe_names, no_writes, ringbuf_pages, flush_in
     API server, EngineCore and Workers, plus its KV-event stream and /metrics.
     """
     from kvtrace import targets
+    from kvtrace.capture import agg
     from kvtrace.pipeline import Pipeline, default_host, new_run_id
+
+    sampling = agg.parse_mode(sampling)
 
     if otlp:
         from kvtrace.otlp.exporter import parse_endpoint
@@ -231,6 +238,7 @@ def command(pids, out, duration, probe_names, no_writes, ringbuf_pages, flush_in
         for sidecar in start_vllm_streams(server, kv_events, kv_replay, metrics_url, metrics_interval):
             pipeline.add_sidecar(sidecar)
         fabric.start(pipeline, source)  # NVMe topology, NIC counters, nvme/tcp probe settings
+        agg.start(pipeline, source, sampling, echo=lambda m: click.echo(m, err=True))  # exact counts, sampling
         click.echo(f"kvtrace: attached {', '.join(plan.attached)} to pid {', '.join(map(str, pids))}; writing {out}", err=True)
         source.start()
         if gated:

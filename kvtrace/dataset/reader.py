@@ -85,7 +85,7 @@ class Dataset:
     def runs(self) -> list[dict]:
         rows = self.table("runs").to_pylist()
         for r in rows:
-            for key in ("probes_skipped", "events", "lost_events"):
+            for key in ("probes_skipped", "events", "lost_events", "sampling"):
                 if isinstance(r.get(key), str):
                     r[key] = json.loads(r[key])
         return rows

@@ -18,12 +18,12 @@ TABLES: dict[str, pa.Schema] = {
         ("ts_ns", u64), ("start_ns", u64), ("issue_ns", u64), ("pid", u32), ("tid", u32),
         ("comm", d), ("dev_major", u32), ("dev_minor", u32), ("disk", d), ("sector", u64),
         ("bytes", u64), ("op", d), ("rwbs", d), ("error", i32), ("queue_ns", i64),
-        ("device_ns", i64), ("latency_ns", i64),
+        ("device_ns", i64), ("latency_ns", i64), ("weight", u32),
     ]),
     "file_io": pa.schema([
         ("ts_ns", u64), ("start_ns", u64), ("pid", u32), ("tid", u32), ("syscall", d), ("fd", i32),
         ("path", d), ("offset", i64), ("requested", u64), ("iovcnt", u32), ("bytes", u64),
-        ("ret", i64), ("latency_ns", i64),
+        ("ret", i64), ("latency_ns", i64), ("weight", u32),
     ]),
     "file_open": pa.schema([
         ("ts_ns", u64), ("start_ns", u64), ("pid", u32), ("tid", u32), ("fd", i32), ("flags", u32),
@@ -32,7 +32,34 @@ TABLES: dict[str, pa.Schema] = {
     "io_uring": pa.schema([
         ("ts_ns", u64), ("submit_ns", u64), ("pid", u32), ("tid", u32), ("complete_tid", u32),
         ("opcode", u32), ("op", d), ("user_data", u64), ("res", i32), ("bytes", u64),
-        ("latency_ns", i64),
+        ("latency_ns", i64), ("weight", u32),
+    ]),
+    # Exact in-kernel accounting of the three tables above (kvtrace.capture.agg), one row per
+    # key that moved per flush: what changed in the interval ending at ts_ns.
+    "block_agg": pa.schema([
+        ("ts_ns", u64), ("interval_ns", u64), ("pid", u32), ("dev_major", u32), ("dev_minor", u32), ("disk", d),
+        ("op", d), ("requests", u64), ("bytes", u64), ("errors", u64), ("latency_sum_ns", u64),
+        ("queue_sum_ns", u64), ("device_sum_ns", u64),
+    ]),
+    "block_agg_hist": pa.schema([
+        ("ts_ns", u64), ("interval_ns", u64), ("pid", u32), ("dev_major", u32), ("dev_minor", u32), ("disk", d),
+        ("op", d), ("slot", u32), ("lo_ns", u64), ("hi_ns", u64), ("count", u64),
+    ]),
+    "file_agg": pa.schema([
+        ("ts_ns", u64), ("interval_ns", u64), ("pid", u32), ("syscall", d), ("calls", u64), ("bytes", u64),
+        ("errors", u64), ("requested", u64), ("latency_sum_ns", u64),
+    ]),
+    "file_agg_hist": pa.schema([
+        ("ts_ns", u64), ("interval_ns", u64), ("pid", u32), ("syscall", d), ("slot", u32), ("lo_ns", u64),
+        ("hi_ns", u64), ("count", u64),
+    ]),
+    "uring_agg": pa.schema([
+        ("ts_ns", u64), ("interval_ns", u64), ("pid", u32), ("opcode", u32), ("op", d), ("completions", u64),
+        ("bytes", u64), ("errors", u64), ("latency_sum_ns", u64),
+    ]),
+    "uring_agg_hist": pa.schema([
+        ("ts_ns", u64), ("interval_ns", u64), ("pid", u32), ("opcode", u32), ("op", d), ("slot", u32),
+        ("lo_ns", u64), ("hi_ns", u64), ("count", u64),
     ]),
     "processes": pa.schema([
         ("ts_ns", u64), ("pid", u32), ("tid", u32), ("event", d), ("child_pid", u32), ("comm", d),
@@ -161,7 +188,7 @@ RUNS = pa.schema([
     ("start_ns", u64), ("stop_ns", u64), ("clock_offset_ns", i64), ("start_wall", s),
     ("pids", pa.list_(u32)), ("command", s), ("probes_attached", pa.list_(s)),
     ("probes_skipped", s), ("events", s), ("lost_events", s), ("dropped_events", u64),
-    ("sidecars", s), ("sinks", s),
+    ("sidecars", s), ("sinks", s), ("sampling", s),
 ])
 
 

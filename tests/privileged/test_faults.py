@@ -108,7 +108,8 @@ def test_forced_ring_overflow_is_counted_exactly(tmp_path):
     flood = ("import json, os, sys, time\nfd = os.open(sys.argv[1], os.O_RDONLY)\ntime.sleep(1)\n"
              "for _ in range(200000): os.pread(fd, 64, 0)\n"
              "json.dump({'calls': 200000}, open(sys.argv[2], 'w'))")
-    p = run_kvtrace("attach", "--quiet", "--ringbuf-pages", "16", "--probe", "fileio", "--no-writes", "--out", str(out), "--",
+    # --sampling off: every event is reserved (none sampled away), so the identity is exact
+    p = run_kvtrace("attach", "--quiet", "--sampling", "off", "--ringbuf-pages", "16", "--probe", "fileio", "--no-writes", "--out", str(out), "--",
                     sys.executable, "-c", flood, str(data), str(result))
     assert p.returncode == 0, p.stderr
     truth = json.loads(result.read_text())
