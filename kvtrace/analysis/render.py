@@ -98,13 +98,16 @@ def terminal(rep: dict, console: Console | None = None, rows: int = 10) -> None:
             t.add_row(f"nvme {x['transport']}", f"{x['ctrl']} q{x['qid']}", x["opclass"], num(x["commands"]), num(x["bytes"]),
                       ms(x["lat_p50"]), ms(x["lat_p95"]), ms(x["lat_p99"]), num((x["bytes_per_s"] or 0) / 1e6),
                       num(x["iops"]), num(x["queue_depth"]))
-        for x in st["files"]:
+        files = sorted(st["files"], key=lambda x: -(x["bytes"] or 0))
+        for x in files[:rows]:
             t.add_row("file", x["dir"], "read", num(x["reads"]), num(x["bytes"]), ms(x["lat_p50"]), ms(x["lat_p95"]),
                       ms(x["lat_p99"]), num((x["bytes_per_s"] or 0) / 1e6), num(x["iops"]), num(x["queue_depth"]))
         for x in st["kv_transfers"]:
             t.add_row(f"kv {x['direction']}", f"{x['source']} ({x['kind']})", "", num(x["n"]), num(x["bytes"]),
                       ms(x["lat_p50"]), ms(x["lat_p95"]), ms(x["lat_p99"]), "", "", "")
         c.print(t)
+        if len(files) > rows:
+            c.print(f"  ({len(files) - rows} more directories of file reads in --json / --html)")
     rr, pf = rep["reload_vs_recompute"], rep["prefetch"]
     c.print(f"reload vs recompute: reload {num(_us(rr['reload']['ns_per_token']))} µs/token over "
             f"{rr['reload']['tokens']:,} tokens, recompute {num(_us(rr['recompute']['ns_per_token']))} µs/token "
