@@ -116,7 +116,9 @@ def views(default_block_size: int = 0) -> list[tuple[str, str]]:
                             WHEN idx * bs < cached_local + cached_external THEN 'reloaded'
                             ELSE 'lost' END AS outcome
                      FROM pick WHERE rn = 1"""),
-        ("fread", f"""SELECT d.dir, f.bytes, f.start_ns, f.ts_ns, f.latency_ns FROM file_io f JOIN (
+        # (rows sampled 1 in N while the kernel was overloaded carry weight N: counts and bytes use it)
+        ("fread", f"""SELECT d.dir, f.bytes, f.start_ns, f.ts_ns, f.latency_ns, COALESCE(NULLIF(f.weight, 0), 1) AS w
+                     FROM file_io f JOIN (
                        SELECT path, regexp_extract(path, '^(.*)/', 1) AS dir FROM (SELECT DISTINCT path FROM file_io) p
                        WHERE {STORAGE_PATH}) d ON d.path = f.path
                      WHERE f.syscall IN {READS} AND f.ret >= 0"""),
@@ -211,8 +213,8 @@ FIGURES: dict[str, str] = {
         queue_ns, sched_ns, storage_ns, compute_ns, total_ns, verdict FROM ctime
         ORDER BY run, step, request, attempt""",
     # ---- storage ----
-    "block_io": f"""SELECT disk, op, COUNT(*) AS ios, SUM(bytes) AS bytes, MIN(start_ns) AS t0, MAX(ts_ns) AS t1,
-        SUM(latency_ns) AS busy_ns, {pct('latency_ns', 'lat')}, MAX(latency_ns) AS lat_max,
+    "block_io": f"""SELECT disk, op, SUM(COALESCE(NULLIF(weight, 0), 1)) AS ios, SUM(bytes * COALESCE(NULLIF(weight, 0), 1)) AS bytes, MIN(start_ns) AS t0,
+        MAX(ts_ns) AS t1, SUM(latency_ns * COALESCE(NULLIF(weight, 0), 1)) AS busy_ns, {pct('latency_ns', 'lat')}, MAX(latency_ns) AS lat_max,
         {pct('queue_ns', 'queue', (0.5,))}, {pct('device_ns', 'device', (0.5,))}
         FROM block_io WHERE error = 0 OR error IS NULL GROUP BY disk, op ORDER BY disk, op""",
     "nvme": f"""SELECT ctrl, qid, transport, opclass, COUNT(*) AS samples,
@@ -220,8 +222,8 @@ FIGURES: dict[str, str] = {
         MIN(ts_ns - latency_ns) AS t0, MAX(ts_ns) AS t1, SUM(latency_ns * COALESCE(NULLIF(weight, 0), 1)) AS busy_ns,
         AVG(CAST(sq_occupancy AS DOUBLE)) AS sq_avg, {pct('latency_ns', 'lat')}, MAX(latency_ns) AS lat_max
         FROM nvme_cmd GROUP BY ctrl, qid, transport, opclass ORDER BY ctrl, qid, transport, opclass""",
-    "file_reads": f"""SELECT dir, COUNT(*) AS reads, SUM(bytes) AS bytes, MIN(start_ns) AS t0, MAX(ts_ns) AS t1,
-        SUM(latency_ns) AS busy_ns, {pct('latency_ns', 'lat')}, MAX(latency_ns) AS lat_max FROM fread
+    "file_reads": f"""SELECT dir, SUM(w) AS reads, SUM(bytes * w) AS bytes, MIN(start_ns) AS t0, MAX(ts_ns) AS t1,
+        SUM(latency_ns * w) AS busy_ns, {pct('latency_ns', 'lat')}, MAX(latency_ns) AS lat_max FROM fread
         GROUP BY dir ORDER BY dir""",
     "kv_transfers": f"""SELECT direction, kind, source, COUNT(*) AS n, SUM(blocks) AS blocks, SUM(nbytes) AS bytes,
         SUM(t_end_ns - t_start_ns) AS busy_ns, {pct('t_end_ns - t_start_ns', 'lat')} FROM (
@@ -242,14 +244,14 @@ FIGURES: dict[str, str] = {
                (SELECT COUNT(*) FROM slow) AS slow_steps, (SELECT SUM(t_end_ns - t_start_ns) FROM slow) AS slow_ns
         FROM alln a LEFT JOIN during d ON d.device = a.device AND d.name = a.name
         WHERE a.delta > 0 ORDER BY a.device, a.name""",
-    "lat_hist": f"""SELECT source, device, bucket, COUNT(*) AS n FROM (
-          SELECT 'block' AS source, disk AS device, {LAT_BUCKET.format(x='latency_ns')} AS bucket FROM block_io
+    "lat_hist": f"""SELECT source, device, bucket, SUM(w) AS n FROM (
+          SELECT 'block' AS source, disk AS device, {LAT_BUCKET.format(x='latency_ns')} AS bucket, COALESCE(NULLIF(weight, 0), 1) AS w FROM block_io
           WHERE op = 'R' AND (error = 0 OR error IS NULL)
           UNION ALL SELECT 'nvme' AS source, ctrl || ' q' || CAST(qid AS STRING) AS device,
-                 {LAT_BUCKET.format(x='latency_ns')} AS bucket FROM nvme_cmd
-          UNION ALL SELECT 'file' AS source, dir AS device, {LAT_BUCKET.format(x='latency_ns')} AS bucket FROM fread
-          UNION ALL SELECT 'kv_load' AS source, source AS device, {LAT_BUCKET.format(x='t_end_ns - t_start_ns')} AS bucket
-          FROM kv_load WHERE request <> '') t GROUP BY source, device, bucket ORDER BY source, device, bucket""",
+                 {LAT_BUCKET.format(x='latency_ns')} AS bucket, COALESCE(NULLIF(weight, 0), 1) AS w FROM nvme_cmd
+          UNION ALL SELECT 'file' AS source, dir AS device, {LAT_BUCKET.format(x='latency_ns')} AS bucket, w FROM fread
+          UNION ALL SELECT 'kv_load' AS source, source AS device, {LAT_BUCKET.format(x='t_end_ns - t_start_ns')} AS bucket,
+          1 AS w FROM kv_load WHERE request <> '') t GROUP BY source, device, bucket ORDER BY source, device, bucket""",
     # ---- reload versus recompute ----
     "reload": """SELECT COUNT(*) AS requests, COALESCE(SUM(l.n), 0) AS loads, COALESCE(SUM(l.load_ns), 0) AS load_ns,
         COALESCE(SUM(l.blocks), 0) AS blocks, COALESCE(SUM(l.blocks * z.bs), 0) AS tokens, COALESCE(SUM(l.bytes), 0) AS bytes
@@ -303,8 +305,8 @@ FIGURES: dict[str, str] = {
         SUM(evicted) AS evicted FROM stp GROUP BY run, pid ORDER BY run, pid""",
     "first_tokens": "SELECT COUNT(*) AS n FROM chk WHERE is_last = 1",
     "read_bytes": f"""SELECT (SELECT COALESCE(SUM(nbytes), 0) FROM kv_load WHERE request <> '') AS kv_load_bytes,
-        (SELECT COALESCE(SUM(bytes), 0) FROM block_io WHERE op = 'R' AND (error = 0 OR error IS NULL)) AS block_read_bytes,
-        (SELECT COALESCE(SUM(bytes), 0) FROM fread) AS file_read_bytes""",
+        (SELECT COALESCE(SUM(bytes * COALESCE(NULLIF(weight, 0), 1)), 0) FROM block_io WHERE op = 'R' AND (error = 0 OR error IS NULL)) AS block_read_bytes,
+        (SELECT COALESCE(SUM(bytes * w), 0) FROM fread) AS file_read_bytes""",
     "metrics": """WITH m AS (SELECT run, ts_ns, name, SUM(value) AS v FROM vllm_metrics WHERE name IN (
           'vllm:prefix_cache_hits_total', 'vllm:prefix_cache_queries_total', 'vllm:external_prefix_cache_hits_total',
           'vllm:external_prefix_cache_queries_total', 'vllm:num_preemptions_total') GROUP BY run, ts_ns, name)

@@ -307,3 +307,18 @@ def test_spark_report_equals_duckdb(ds, rep):
     for k in ("engine", "elapsed_s"):
         a.pop(k), b.pop(k)
     assert a == b
+
+
+def test_sampled_kernel_rows_count_by_weight(tmp_path):
+    root = fx.build(tmp_path / "w")
+    f = next((root / "block_io").rglob("*.parquet"))
+    import pyarrow.parquet as pq
+    import pyarrow as pa
+
+    t = pq.read_table(f)
+    meta = t.schema.metadata
+    t = t.set_column(t.column_names.index("weight"), "weight", pa.array([3] * t.num_rows, pa.uint32()))
+    pq.write_table(t.replace_schema_metadata(meta), f)
+    blk = analyze(root)["storage"]["block_io"][0]
+    # 4 sampled reads standing for 3 each; latency percentiles stay those of the rows kept
+    assert (blk["ios"], blk["bytes"], blk["busy_ns"], blk["lat_p50"]) == (12, 3 * 16384, 3 * 1_000_000, 200_000)
