@@ -233,6 +233,7 @@ def test_block_io_equals_disk_stat(lab, ns, mode):
                      "multipath head's bio is queued on the head and issued on the path device (block_bio_remap), "
                      "so nothing pairs and I/O through nvme-tcp/nvme-rdma heads is not recorded")
     assert all(r["pid"] == lab.reader["pid"] and r["op"] == "R" for r in rows)
+    assert all((r.get("weight") or 1) == 1 for r in rows)  # nothing sampled at this rate
     assert len(rows) == d["reads"], (len(rows), d)
     assert all(r["latency_ns"] > 0 for r in rows)
     got = sum(r["bytes"] for r in rows)
