@@ -1,4 +1,5 @@
-"""The agent's presence, as the hook inside vLLM sees it: a flag file naming the agent's pid.
+"""The agent's presence, as the hook inside vLLM sees it: a file named by the agent's pid in
+the flag directory (several agents may be attached at once).
 
 Written while the agent captures user records and removed at exit; a SIGKILLed agent
 leaves a stale file, which the hook ignores because the pid is no longer alive.
@@ -12,20 +13,19 @@ from kvtrace.hook.transport import FLAG_PATH
 
 class AgentFlag:
     def __init__(self, path: str = FLAG_PATH):
-        self.path = path
+        self.dir = path
+        self.path = os.path.join(path, str(os.getpid()))
 
     def __enter__(self) -> "AgentFlag":
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        with os.fdopen(fd, "w") as f:
+        if os.path.isfile(self.dir):  # the single-file flag of an older kvtrace
+            os.unlink(self.dir)
+        os.makedirs(self.dir, mode=0o755, exist_ok=True)
+        with open(self.path, "w") as f:
             f.write(f"{os.getpid()}\n")
-        os.replace(tmp, self.path)
         return self
 
     def __exit__(self, *exc) -> None:
         try:
-            with open(self.path) as f:
-                if f.read().split()[0] == str(os.getpid()):
-                    os.unlink(self.path)
-        except (OSError, IndexError):
+            os.unlink(self.path)
+        except OSError:
             pass

@@ -185,6 +185,9 @@ class KernelMaps:
         """Completions the kernel could not account for (a map was full)."""
         return self.c["queue_map_full"] + self.c["hist_map_full"]
 
+    def close(self) -> None:
+        """Nothing to release: the maps belong to the BPF program, closed with the source."""
+
 
 def _table(name: str, cols: dict) -> pa.Table:
     sch = schema.TABLES[name]

@@ -5,7 +5,7 @@ syscalls:sys_enter_write in the traced processes and copies the frame into the s
 buffer as the kernel events; the call itself fails with EBADF and costs ~1 µs.  Records
 carry their own CLOCK_MONOTONIC times, so frames are sent once per engine step.
 
-While no agent is attached (no live agent pid in the flag file) the hook buffers nothing:
+While no agent is attached (no live agent pid in the flag directory) the hook buffers nothing:
 ``enabled`` is re-checked at most once per second, so an idle hook costs one function call
 and a time comparison per step.
 """
@@ -17,19 +17,38 @@ import time
 from kvtrace.hook.wire import CODEC, MAGIC, MAX_FRAME
 
 MARK_FD = -4242
-FLAG_PATH = os.environ.get("KVTRACE_FLAG", "/dev/shm/kvtrace-agent")
+# A directory with one file per attached agent, named by its pid (several agents may attach at
+# once); a plain file naming one pid is read too.
+FLAG_PATH = os.environ.get("KVTRACE_FLAG", "/dev/shm/kvtrace-agents")
 RECHECK_NS = 1_000_000_000
 
 
-def agent_alive(flag_path: str = FLAG_PATH) -> bool:
-    """True when the flag file names a live agent pid."""
+def agent_pids(flag_path: str = FLAG_PATH) -> list[int]:
+    """Live agent pids named by the flag directory (or a flag file)."""
     try:
-        with open(flag_path) as f:
-            pid = int(f.read().split()[0])
-        os.kill(pid, 0)
-        return True
-    except (OSError, ValueError, IndexError):
-        return False
+        names = os.listdir(flag_path)
+    except NotADirectoryError:
+        try:
+            with open(flag_path) as f:
+                names = f.read(64).split()[:1]
+        except OSError:
+            return []
+    except OSError:
+        return []
+    live = []
+    for name in names:
+        try:
+            pid = int(name)
+            os.kill(pid, 0)
+            live.append(pid)
+        except (OSError, ValueError):
+            pass
+    return sorted(live)
+
+
+def agent_alive(flag_path: str = FLAG_PATH) -> bool:
+    """True when the flag directory names a live agent pid."""
+    return bool(agent_pids(flag_path))
 
 
 class Transport:

@@ -30,12 +30,12 @@ import threading
 import time
 
 try:
-    from kvtrace.hook.transport import Transport
+    from kvtrace.hook.transport import Transport, agent_pids
 except ImportError:  # imported from a path where kvtrace is not installed: use the sibling files
     _root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, _root)
     try:
-        from kvtrace.hook.transport import Transport
+        from kvtrace.hook.transport import Transport, agent_pids
     finally:
         sys.path.remove(_root)
 
@@ -142,10 +142,10 @@ def _hook_start(role: str) -> None:
 
 
 def _agent_pid() -> str:
+    """The attached agents, as one string (a change means a new agent)."""
     try:
-        with open(T.flag_path) as f:
-            return f.read(64).split()[0]
-    except (OSError, IndexError):
+        return ",".join(map(str, agent_pids(T.flag_path)))
+    except Exception:
         return ""
 
 

@@ -27,7 +27,7 @@ def main(dev: str) -> None:
     raw = HERE / "events-6.18.raw"
     out = subprocess.run(
         [sys.executable, "-m", "kvtrace", "attach", "--quiet", "--out", "/tmp/kvtrace-fixture", "--raw-out", str(raw),
-         "--", sys.executable, "-c", WORKLOAD, dev, "/dev/shm/kvtrace-agent"],
+         "--", sys.executable, "-c", WORKLOAD, dev, "/dev/shm/kvtrace-agents"],
         check=True, capture_output=True, text=True,
     )
     result = json.loads(out.stdout.strip().splitlines()[0])

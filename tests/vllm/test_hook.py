@@ -87,8 +87,8 @@ class Agent:
 
     def flag_is_mine(self) -> bool:
         try:
-            return Path(FLAG_PATH).read_text().split()[0] == str(self.proc.pid)
-        except (OSError, IndexError):
+            return (Path(FLAG_PATH) / str(self.proc.pid)).exists()
+        except OSError:
             return False
 
     def wait_attached(self, timeout=120.0) -> None:
