@@ -27,11 +27,15 @@ class Stop:
     def _on_signal(self, signum, frame):
         self.reason = signal.Signals(signum).name
 
-    def check(self, source) -> str | None:
+    def check(self, source, watch=None) -> str | None:
+        """``watch``: the vLLM server's watch (kvtrace.vllm.restart), which decides what its
+        processes exiting means; without one, every traced process gone ends the capture."""
         if self.reason:
             return self.reason
         if self.deadline and time.monotonic() >= self.deadline:
             self.reason = "duration"
+        elif watch is not None:
+            self.reason = watch.poll()
         elif not source.targets():
             self.reason = "all traced processes exited"
         return self.reason
@@ -167,10 +171,13 @@ def start_vllm_streams(server, kv_events: str | None, kv_replay: str | None, met
 @click.option("--otlp", "otlp", default=None, metavar="URL", help="Also stream spans and metrics over OTLP while attached (http://host:4317 gRPC, http://host:4318 HTTP).")
 @click.option("--otlp-protocol", type=click.Choice(["grpc", "http"]), default="grpc", show_default=True, help="OTLP transport for --otlp.")
 @click.option("--inject/--no-inject", default=True, show_default=True, help="Inject the vLLM hook into the server's EngineCore and Workers (removed again at the end).")
+@click.option("--on-restart", "on_restart", type=click.Choice(["exit", "follow"]), default=None,
+              help="When the traced vLLM server's processes are gone: exit (the default: stop cleanly, dataset complete) "
+                   "or follow (wait for a vLLM server on the same port, trace its new processes, inject the hook again).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @fabric.options
 def command(pids, out, duration, probe_names, no_writes, ringbuf_pages, flush_interval, quiet, sampling, raw_out, port, yes,
-            kv_events, kv_replay, metrics_url, metrics_interval, otlp, otlp_protocol, inject, command) -> int:
+            kv_events, kv_replay, metrics_url, metrics_interval, otlp, otlp_protocol, inject, on_restart, command) -> int:
     """Attach kernel probes to processes and record their I/O.
 
     Trace running processes with --pid, or start one: kvtrace attach --out DIR -- CMD ARGS.
@@ -201,6 +208,8 @@ def command(pids, out, duration, probe_names, no_writes, ringbuf_pages, flush_in
         server = server_of(pids)  # a pid of a vLLM server picks that whole server
         if server is not None:
             pids = tuple(dict.fromkeys([*pids, *server.pids]))
+    if on_restart is not None and server is None:
+        raise UsageError("--on-restart applies to a vLLM server: use it with --port, --yes, or --pid of a vLLM server")
     if duration is not None and duration <= 0:
         raise UsageError("--duration must be a positive number of seconds")
     if ringbuf_pages <= 0 or ringbuf_pages & (ringbuf_pages - 1):
@@ -247,9 +256,17 @@ def command(pids, out, duration, probe_names, no_writes, ringbuf_pages, flush_in
         status = StatusLine(quiet=quiet)
         flag = AgentFlag().__enter__() if "usermark" in plan.attached else None
         injection = inject_hook(server, inject, "usermark" in plan.attached)
+        watch = None
+        if server is not None and server.port is not None:
+            from kvtrace.vllm.restart import ServerWatch
+
+            reinject = (lambda new: inject_hook(new, inject, True)) if injection is not None else None
+            watch = ServerWatch(server, on_restart or "exit", source, pipeline, reinject=reinject,
+                                echo=lambda m: click.echo(m, err=True), out=out)
+            pipeline.add_sidecar(watch)
         next_flush = time.monotonic() + flush_interval
         try:
-            while not stop.check(source):
+            while not stop.check(source, watch):
                 time.sleep(0.05)
                 if time.monotonic() >= next_flush:
                     pipeline.step()
@@ -260,6 +277,8 @@ def command(pids, out, duration, probe_names, no_writes, ringbuf_pages, flush_in
             click.echo(f"kvtrace: {e}", err=True)
             raise
         status.done()
+        if watch is not None and watch.injection is not None:
+            injection = watch.injection   # the server was restarted: the hook is in its new processes
         if injection is not None:
             injection.uninstall()  # the hook flushes its last records on the way out
             time.sleep(0.2)
