@@ -58,7 +58,8 @@ class Totals:
 
 
 class Pipeline:
-    def __init__(self, source, plan: Plan, writer: DatasetWriter, pids: list[int], command: str = "", raw_out=None):
+    def __init__(self, source, plan: Plan, writer: DatasetWriter, pids: list[int], command: str = "", raw_out=None,
+                 fresh_pids: tuple[int, ...] = ()):
         self.source = source
         self.raw_out = raw_out
         self.plan = plan
@@ -74,7 +75,8 @@ class Pipeline:
         self.sinks: list = []  # live consumers of every flush's tables (kvtrace.otlp.sink)
         self.notes: list[str] = []  # what a clean stop could not do (said by the caller)
         for pid in pids:
-            fdopen.snapshot(self.ctx, pid)
+            if pid not in fresh_pids:  # a command kvtrace starts has no files open before the attach
+                fdopen.snapshot(self.ctx, pid)
 
     def decode(self, batch: dict[int, list[bytes]]) -> dict[str, pa.Table]:
         out = {}
@@ -89,7 +91,7 @@ class Pipeline:
                 continue
             if not getattr(probe, "VARIABLE_SIZE", False):
                 size = probe.DTYPE.itemsize
-                self.ctx.malformed += sum(1 for r in raw if len(r) != size)
+                self.ctx.malformed += sum(1 for r in raw if not r or len(r) % size)
             decoded = probe.decode(raw, self.ctx)
             if isinstance(decoded, dict):
                 out.update(decoded)
