@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHES = ["capacity", "correlate", "analysis"]
+BENCHES = ["capacity", "correlate", "analysis", "overhead", "parquet"]
 
 
 def machine() -> str:
@@ -45,6 +45,12 @@ def markdown(results: dict) -> str:
     ]
     for r in cap["rates"]:
         lines.append(f"| {r['target_rate']} | {r['producer_rate']:,} | {r['decoded_per_s']:,} | {r['lost']:,} | {r['accounted']} |")
+    if "auto_sampling" in cap:
+        au = cap["auto_sampling"]
+        lines += ["", f"- `--sampling auto` (the default), flat out on a 64-page ring: {au['producer_calls']:,} calls; "
+                  f"in-kernel file_agg {au['agg_calls']:,} (the interpreter's own start-up preads included); raw rows "
+                  f"{au['decoded_events']:,} with weights summing to {au['raw_weight']:,} + {au['lost_weight']:,} lost "
+                  f"({au['lost']:,} failed reserves); sampled up to 1 in {au['max_n']} for {au['sampled_s']} s"]
     if "correlate" in results:
         lines += correlate_markdown(results["correlate"])
     if "analysis" in results:
@@ -54,7 +60,47 @@ def markdown(results: dict) -> str:
                   f"{a['analyze_cpu_s']} s CPU (load average {a['load_avg_1m']:.1f}; target under 5 s)",
                   f"- `whatif` replay: {w['lookups_per_s']:,} block lookups/s wall, {w['lookups_per_cpu_s']:,} per CPU second "
                   "(target 1M/s)"]
+    if "overhead" in results:
+        lines += overhead_markdown(results["overhead"])
+    if "parquet" in results:
+        lines += parquet_markdown(results["parquet"])
     return "\n".join(lines) + "\n"
+
+
+def overhead_markdown(o: dict) -> list[str]:
+    h = o["hook"]
+    out = ["", "## Cost to a real vLLM server (bench/overhead.py)", ""]
+    if "vllm" in o:
+        v = o["vllm"]
+        r, t = v["tokens_per_s_ratio"], v["ttft_p50_ratio"]
+        out += [
+            f"- {v['pairs']} A/B pairs interleaved in one session, {v['requests']} shared-prefix requests per round at "
+            f"concurrency {v['concurrency']}; B = `kvtrace attach --port` (all probes, hook injected, KV events, /metrics, "
+            f"Parquet{', OTLP' if v['otlp'] else ''}); load average {v['load_average']:.1f}",
+            f"- tokens/s B/A: {r['mean']:.3f} (min {r['min']:.3f}, max {r['max']:.3f}, stdev {r['stdev']:.3f}); "
+            f"A {v['tokens_per_s']['A']:,} and B {v['tokens_per_s']['B']:,} tokens/s on average",
+            f"- TTFT p50 B/A: {t['mean']:.3f} (min {t['min']:.3f}, max {t['max']:.3f}); failed requests: {v['errors']}",
+            f"- agent in steady state: CPU {v['agent_cpu_pct_of_core']['mean']:.1f}% of a core (max "
+            f"{v['agent_cpu_pct_of_core']['max']:.1f}%), RSS {v['agent_rss_mib']['mean']} MiB mean, "
+            f"{v['agent_rss_mib']['max']} MiB max (target 150 MB)",
+        ]
+    q = h["hook_cost_quartiles_us"]
+    out += [
+        f"- hook cost per engine step (a real vLLM Scheduler, {h['steps_per_stream']['none']} steps per stream, "
+        f"{h['rounds']} rounds, median of per-round differences; step without hook {h['median_step_us']['none']} µs): "
+        + "; ".join(f"{m} {c} µs (quartiles {q[m][0]}..{q[m][2]})" for m, c in h["hook_cost_us"].items())
+        + f"; {h['steps_recorded']:,} step records captured while attached",
+    ]
+    return out
+
+
+def parquet_markdown(p: dict) -> list[str]:
+    out = ["", "## Parquet writes (bench/parquet.py, one flush's rows per part file, zstd)", "",
+           "| table | rows | rows/s | rows per CPU s | MiB/s | bytes/row | compaction rows/s |", "|---|---|---|---|---|---|---|"]
+    for name, r in p.items():
+        out.append(f"| {name} | {r['rows']:,} | {r['rows_per_s']:,} | {r['rows_per_cpu_s']:,} | {r['mib_per_s']} | "
+                   f"{r['bytes_per_row']} | {r['compact_rows_per_s']:,} |")
+    return out
 
 
 def correlate_markdown(c: dict) -> list[str]:

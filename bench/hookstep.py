@@ -1,0 +1,173 @@
+"""The hook's cost per engine step, measured in vLLM's own interpreter (run by bench/overhead.py).
+
+A real vLLM Scheduler (v1, chunked prefill at 256 tokens, prefix caching, 122 blocks of 32
+tokens: the configuration of the benchmark server) is driven through a fixed stream of
+shared-prefix requests to completion, with a model-runner stand-in that samples one token per
+request and step.  The same stream is run with the hook not installed ("none"), installed
+with no agent ("detached") and installed with a live agent ("attached"; the records go out as
+marker writes, caught by the agent's BPF program when this runs under `kvtrace attach`),
+interleaved round by round.  The cost per step is the difference of the per-step times.
+
+    <vllm python> bench/hookstep.py --rounds 5 --json out.json      (under kvtrace attach)
+
+Standard library and vLLM only (kvtrace's hook is imported from the repository by path).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+    "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 8192,
+    "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2,
+    "tie_word_embeddings": False,
+}
+BLOCK, BLOCKS, BUDGET = 32, 122, 256
+
+
+def make_scheduler_factory():
+    import torch
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    model = tempfile.mkdtemp(prefix="kvtrace-hookstep-")
+    with open(os.path.join(model, "config.json"), "w") as f:
+        json.dump(TINY_LLAMA, f)
+    args = EngineArgs(model=model, load_format="dummy", skip_tokenizer_init=True, block_size=BLOCK,
+                      enable_prefix_caching=True, max_num_batched_tokens=BUDGET, max_model_len=2048,
+                      num_gpu_blocks_override=BLOCKS)
+    config = args.create_engine_config()
+    config.cache_config.num_gpu_blocks = BLOCKS      # what the engine sets after profiling
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=4, head_size=64, dtype=torch.bfloat16)
+
+    def new():
+        kv = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[],
+                           kv_cache_groups=[KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(2)], spec)])
+        return Scheduler(vllm_config=config, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(config),
+                         block_size=BLOCK, log_stats=True)
+
+    return new, hasher
+
+
+def make_requests(hasher, n: int, seed: int = 0):
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(100, 31000) for _ in range(320)] for _ in range(4)]
+    out = []
+    for i in range(n):
+        prompt = prefixes[i % 4] + [rng.randrange(100, 31000) for _ in range(rng.randrange(100, 700))]
+        out.append(Request(request_id=f"r{i}", prompt_token_ids=prompt,
+                           sampling_params=SamplingParams(max_tokens=16, ignore_eos=True, temperature=0),
+                           pooling_params=None, block_hasher=hasher))
+    return out
+
+
+def run_stream(new_scheduler, hasher, n: int, concurrency: int) -> tuple[int, float]:
+    """All n requests through a fresh scheduler; (steps, seconds spent in schedule + update)."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    sched = new_scheduler()
+    pending = make_requests(hasher, n)
+    steps, spent = 0, 0.0
+    rng = random.Random(1)
+    perf = time.perf_counter
+    while pending or sched.has_unfinished_requests():
+        while pending and len(sched.running) + len(sched.waiting) < concurrency:
+            sched.add_request(pending.pop(0))
+        t0 = perf()
+        so = sched.schedule()
+        t1 = perf()
+        ids = list(so.num_scheduled_tokens)
+        sampled = []
+        for rid in ids:
+            req = sched.requests[rid]
+            done = req.num_computed_tokens + so.num_scheduled_tokens[rid] >= req.num_tokens
+            sampled.append([rng.randrange(100, 31000)] if done else [])
+        mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled)
+        t2 = perf()
+        sched.update_from_output(so, mro)
+        t3 = perf()
+        spent += (t1 - t0) + (t3 - t2)
+        steps += 1
+    return steps, spent
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    import logging
+
+    logging.disable(logging.WARNING)
+    sys.path.insert(0, REPO)
+    from kvtrace.hook import transport, vllm_hook as hook
+
+    new_scheduler, hasher = make_scheduler_factory()
+    live_flag = hook.T.flag_path
+    attached_possible = transport.agent_alive(live_flag)
+    nowhere = tempfile.mkdtemp(prefix="kvtrace-noagent-")   # a flag with no live agent in it
+
+    def mode(name: str) -> None:
+        if name == "none":
+            hook.uninstall()
+            return
+        if not hook.status()["installed"]:
+            assert hook.install(roles=["engine"]), hook.status()
+        hook.T.flag_path = live_flag if name == "attached" else nowhere
+        hook.T.next_check = 0                 # re-read the flag at the next step
+
+    modes = ["none", "detached"] + (["attached"] if attached_possible else [])
+    run_stream(new_scheduler, hasher, a.requests, a.concurrency)   # warm-up
+    per_step = {m: [] for m in modes}
+    steps_seen = {}
+    for _ in range(a.rounds):
+        for m in modes:
+            mode(m)
+            steps, spent = run_stream(new_scheduler, hasher, a.requests, a.concurrency)
+            per_step[m].append(spent / steps * 1e6)
+            steps_seen[m] = steps
+    emitted = hook.T.emitted
+    hook.uninstall()
+    med = {m: statistics.median(v) for m, v in per_step.items()}
+    # the cost: per round, this mode's time per step minus the hook-free one's of the same round
+    diffs = {m: sorted(x - y for x, y in zip(per_step[m], per_step["none"])) for m in modes if m != "none"}
+    result = {
+        "steps_per_stream": steps_seen, "rounds": a.rounds, "requests": a.requests,
+        "per_step_us": {m: [round(x, 2) for x in v] for m, v in per_step.items()},
+        "median_step_us": {m: round(v, 2) for m, v in med.items()},
+        "hook_cost_us": {m: round(statistics.median(d), 2) for m, d in diffs.items()},
+        "hook_cost_quartiles_us": {m: [round(q, 2) for q in statistics.quantiles(d, n=4)] if len(d) > 1 else [d[0]] * 3
+                                   for m, d in diffs.items()},
+        "hook_cost_spread_us": {m: [round(d[0], 2), round(d[-1], 2)] for m, d in diffs.items()},
+        "records_emitted": emitted, "attached_measured": attached_possible,
+    }
+    text = json.dumps(result, indent=1)
+    if a.json:
+        with open(a.json, "w") as f:
+            f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
