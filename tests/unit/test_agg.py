@@ -190,3 +190,11 @@ def test_bpf_rules_match_the_raw_decoders():
     assert data == [1, 2, 4, 5, 22, 23, 49]
     # weights: an old record (padding 0) stands for one event
     assert weights(np.array([0, 1, 8], np.uint16)).tolist() == [1, 1, 8]
+
+
+def test_bad_sampling_is_a_one_line_usage_error(tmp_path):
+    from tests.conftest import run_kvtrace
+
+    p = run_kvtrace("attach", "--sampling", "3", "--out", str(tmp_path / "ds"), "--", "true")
+    assert p.returncode == 2 and "--sampling 3" in p.stderr and "power of two" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1

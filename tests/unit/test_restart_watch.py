@@ -84,3 +84,13 @@ def test_follow_waits_then_retargets_and_reinjects(procs):
     new_api.wait()
     w.next = 0
     assert w.poll() is None and w.waiting and f"(pid {new_api.pid}) exited" in said[-1]
+
+
+def test_on_restart_needs_a_vllm_server(tmp_path):
+    from tests.conftest import run_kvtrace
+
+    p = run_kvtrace("attach", "--on-restart", "follow", "--out", str(tmp_path / "ds"), "--", "true")
+    assert p.returncode == 2 and "--on-restart applies to a vLLM server" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and not (tmp_path / "ds").exists()
+    p = run_kvtrace("attach", "--on-restart", "sometimes", "--out", str(tmp_path / "ds"), "--", "true")
+    assert p.returncode == 2 and "sometimes" in p.stderr
