@@ -27,6 +27,7 @@ Python objects and no bcc is imported here.
 from __future__ import annotations
 
 import ctypes
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ BLOCK_OPS = ["R", "W", "D", "F", "N"]
 SFIELDS = ("count", "bytes", "errors", "latency_ns", "sum2", "sum3")
 HOLD_S, MAX_HOLD_S = 2.0, 60.0
 MAX_CHANGES = 200
+SWEEP_EVERY = 10          # flushes between sweeps of the keys of exited processes
 
 
 def parse_mode(text: str) -> str | int:
@@ -255,6 +257,8 @@ class AggMaps:
         counts = Counter()
         rows = {AGG[k]: {c: [] for c in schema.TABLES[AGG[k]].names} for k in self.kinds}
         hist = {AGG[k] + "_hist": {c: [] for c in schema.TABLES[AGG[k] + "_hist"].names} for k in self.kinds}
+        exited: list = []   # keys of processes that are gone, deleted once their last counts are read
+        sweep = self.c["flushes"] % SWEEP_EVERY == SWEEP_EVERY - 1
         if "agg_stats" in self.t:
             for key, v in _items(self.t["agg_stats"]):
                 kind = int(key.kind)
@@ -265,6 +269,8 @@ class AggMaps:
                 prev = self.prev_s.get(ident, (0,) * len(SFIELDS))
                 d = dict(zip(SFIELDS, (max(0, a - b) for a, b in zip(cur, prev))))
                 self.prev_s[ident] = cur
+                if sweep and not any(d.values()) and not os.path.exists(f"/proc/{ident[1]}"):
+                    exited.append(("agg_stats", key, ident))   # idle for a flush, and its process gone
                 if not d["count"]:
                     continue
                 r = rows[AGG[kind]]
@@ -292,6 +298,8 @@ class AggMaps:
                 cur = _int(v)
                 dv = cur - self.prev_h.get(ident, 0)
                 self.prev_h[ident] = cur
+                if sweep and dv <= 0 and not os.path.exists(f"/proc/{ident[1]}"):
+                    exited.append(("agg_hist", key, ident))
                 if dv <= 0:
                     continue
                 h = hist[AGG[kind] + "_hist"]
@@ -301,6 +309,15 @@ class AggMaps:
                 h["lo_ns"].append(1 << (slot - 1) if slot else 0)
                 h["hi_ns"].append((1 << slot) - 1 if slot else 0)
                 h["count"].append(dv)
+        for name, key, ident in exited:
+            # everything the process did is in earlier rows: its keys can go, so a long capture of
+            # many short-lived processes does not fill the maps (a reused pid starts from 0)
+            try:
+                del self.t[name][key]
+            except Exception:
+                continue
+            (self.prev_s if name == "agg_stats" else self.prev_h).pop(ident, None)
+            self.c["keys_swept"] += 1
         if "agg_drops" in self.t:
             drops = self.drops = {_int(k): _int(v) for k, v in _items(self.t["agg_drops"])}
             self.c["stats_map_full"] = sum(drops.get(k, 0) for k in self.kinds)

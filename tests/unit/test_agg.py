@@ -198,3 +198,26 @@ def test_bad_sampling_is_a_one_line_usage_error(tmp_path):
     p = run_kvtrace("attach", "--sampling", "3", "--out", str(tmp_path / "ds"), "--", "true")
     assert p.returncode == 2 and "--sampling 3" in p.stderr and "power of two" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_keys_of_exited_processes_are_swept_once_read():
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    t = maps()
+    side = agg.AggMaps(t, [KIND_FILEIO], mode="off")
+    dead = K(kind=KIND_FILEIO, tgid=gone.pid, dev=0, op=1, slot=0)
+    alive = K(kind=KIND_FILEIO, tgid=1, dev=0, op=1, slot=0)
+    t["agg_stats"][dead] = val(5, 50)
+    t["agg_stats"][alive] = val(7, 70)
+    t["agg_hist"][K(kind=KIND_FILEIO, tgid=gone.pid, dev=0, op=1, slot=9)] = 5
+    rows = [side.drain() for _ in range(agg.SWEEP_EVERY)]
+    assert sum(r["calls"] for d in rows if "file_agg" in d for r in d["file_agg"].to_pylist()) == 12  # counted once
+    assert dead not in t["agg_stats"] and alive in t["agg_stats"] and len(t["agg_hist"]) == 0
+    assert side.stats()["keys_swept"] == 2
+    # the pid comes back (reused): counted from zero, nothing counted twice
+    t["agg_stats"][dead] = val(3, 30)
+    (r,) = [x for x in side.drain()["file_agg"].to_pylist() if x["pid"] == gone.pid]
+    assert (r["calls"], r["bytes"]) == (3, 30)
