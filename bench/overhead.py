@@ -241,9 +241,12 @@ def main() -> None:
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--skip-vllm", action="store_true", help="only the hook's cost per step")
     a = ap.parse_args()
-    result = {"hook": hook_cost(a.short)}
-    if not a.skip_vllm:
-        result["vllm"] = vllm_ab(a.short)
+    if not os.path.exists(vllm_python()):
+        result = {"skipped": f"no vLLM interpreter at {vllm_python()} (scripts/setup-vllm, or set KVTRACE_VLLM_PYTHON)"}
+    else:
+        result = {"hook": hook_cost(a.short)}
+        if not a.skip_vllm:
+            result["vllm"] = vllm_ab(a.short)
     print(json.dumps(result, indent=1))
     if a.json:
         with open(a.json, "w") as f:

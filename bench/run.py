@@ -68,8 +68,10 @@ def markdown(results: dict) -> str:
 
 
 def overhead_markdown(o: dict) -> list[str]:
-    h = o["hook"]
     out = ["", "## Cost to a real vLLM server (bench/overhead.py)", ""]
+    if "skipped" in o:
+        return out + [f"- skipped: {o['skipped']}"]
+    h = o["hook"]
     if "vllm" in o:
         v = o["vllm"]
         r, t = v["tokens_per_s_ratio"], v["ttft_p50_ratio"]
