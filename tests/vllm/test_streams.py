@@ -15,6 +15,7 @@ import json
 import random
 import re
 import socket
+import signal
 import subprocess
 import sys
 import threading
@@ -266,13 +267,20 @@ def test_attach_port_records_kv_events_and_metrics(server, tmp_path):
     pub_port = kvevents.tcp_hostport(srv.kv_cfg["endpoint"])[1]
     direct = DirectSubscriber(f"tcp://127.0.0.1:{pub_port}")
     proc = subprocess.Popen([sys.executable, "-m", "kvtrace", "attach", "--out", str(out), "--port", str(srv.port),
-                             "--duration", "25", "--quiet", "--metrics-interval", "0.5"],
+                             "--quiet", "--metrics-interval", "0.5"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(8)  # BPF compile and attach
+    head = []
+    while not any("kvtrace: attached" in line for line in head):  # BPF compiled and attached
+        line = proc.stderr.readline()
+        assert line, "".join(head)
+        head.append(line)
     rng = random.Random(11)
     for _ in range(4):
         srv.complete(prompt(rng, 1200), max_tokens=4)
-    stdout, stderr = proc.communicate(timeout=120)
+    time.sleep(2)  # the last KV-event batch and a /metrics scrape reach the agent
+    proc.send_signal(signal.SIGINT)
+    stdout, rest = proc.communicate(timeout=120)
+    stderr = "".join(head) + rest
     direct.close()
     assert proc.returncode == 0, stderr
     assert "kv_events from" in stderr and "vllm_metrics from" in stderr
