@@ -4,6 +4,10 @@ request with the official message classes and keeps what arrived.
 
 Modes: "ok"; "refuse" (gRPC UNAVAILABLE / HTTP 503 for every export); "slow" (sleeps ``delay``
 seconds before answering).  Ports are taken from 4400-4499.
+
+``stop()`` goes down as a backend would: exports in flight are answered, every later one is
+refused (kept-alive HTTP connections included), and ``start()`` again comes back on the same
+ports, keeping what arrived before.
 """
 from __future__ import annotations
 
@@ -14,22 +18,12 @@ from concurrent import futures
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-PORTS = range(4400, 4500)
+from tests import helpers
 
 
 def free_port(avoid=()) -> int:
-    import random
-
-    for p in random.sample(PORTS, len(PORTS)):
-        if p in avoid:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p))
-            except OSError:
-                continue
-            return p
-    raise RuntimeError("no free port in 4400-4499")
+    """A free port in 4400-4499, the range the OTLP tests use."""
+    return helpers.free_port(4400, 4499, avoid)
 
 
 @dataclass
@@ -121,6 +115,20 @@ class Receiver:
         self.got = Received()
         self.grpc_port = grpc_port or free_port()
         self.http_port = http_port or free_port(avoid=(self.grpc_port,))
+        self.started = 0            # how many times start() ran: a restart keeps the ports
+        self.cv = threading.Condition()
+        self.closing = False
+        self.inflight = 0           # HTTP exports being answered
+        self.conns: set = set()     # open HTTP connections
+
+    def _rebind(self, what: str) -> None:
+        """The port was taken before we bound it: another one, unless this is a restart."""
+        if self.started:
+            raise RuntimeError(f"could not bind the {what} port again on restart")
+        if what == "gRPC":
+            self.grpc_port = free_port(avoid=(self.grpc_port, self.http_port))
+        else:
+            self.http_port = free_port(avoid=(self.grpc_port, self.http_port))
 
     # -- gRPC ----------------------------------------------------------------------------------
     def _start_grpc(self) -> None:
@@ -132,21 +140,21 @@ class Receiver:
 
         rx = self
 
+        def gate(context) -> None:  # the mode: refuse, or answer late
+            if rx.mode == "refuse":
+                context.abort(grpc.StatusCode.UNAVAILABLE, "refusing (test)")
+            if rx.mode == "slow":
+                time.sleep(rx.delay)
+
         class Traces(tsg.TraceServiceServicer):
             def Export(self, request, context):
-                if rx.mode == "refuse":
-                    context.abort(grpc.StatusCode.UNAVAILABLE, "refusing (test)")
-                if rx.mode == "slow":
-                    time.sleep(rx.delay)
+                gate(context)
                 rx.got.add_traces(request, "grpc")
                 return ts.ExportTraceServiceResponse()
 
         class Metrics(msg.MetricsServiceServicer):
             def Export(self, request, context):
-                if rx.mode == "refuse":
-                    context.abort(grpc.StatusCode.UNAVAILABLE, "refusing (test)")
-                if rx.mode == "slow":
-                    time.sleep(rx.delay)
+                gate(context)
                 rx.got.add_metrics(request, "grpc")
                 return ms.ExportMetricsServiceResponse()
 
@@ -160,7 +168,7 @@ class Receiver:
                     break
             except RuntimeError:
                 pass
-            self.grpc_port = free_port(avoid=(self.grpc_port, self.http_port))
+            self._rebind("gRPC")
         else:
             raise RuntimeError("could not bind a gRPC port in 4400-4499")
         self.grpc.start()
@@ -178,8 +186,31 @@ class Receiver:
             def log_message(self, *a):
                 pass
 
+            def setup(self):
+                super().setup()
+                with rx.cv:
+                    rx.conns.add(self.connection)
+
+            def finish(self):
+                with rx.cv:
+                    rx.conns.discard(self.connection)
+                super().finish()
+
             def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                with rx.cv:
+                    if rx.closing:  # going down: no answer, the connection is closed
+                        self.close_connection = True
+                        return
+                    rx.inflight += 1
+                try:
+                    self._export(body)
+                finally:
+                    with rx.cv:
+                        rx.inflight -= 1
+                        rx.cv.notify_all()
+
+            def _export(self, body):
                 if self.headers.get("Content-Type") != "application/x-protobuf":
                     return self._reply(415, b"")
                 if rx.mode == "refuse":
@@ -206,7 +237,7 @@ class Receiver:
                 self.http = ThreadingHTTPServer(("127.0.0.1", self.http_port), H)
                 break
             except OSError:
-                self.http_port = free_port(avoid=(self.grpc_port, self.http_port))
+                self._rebind("HTTP")
         else:
             raise RuntimeError("could not bind an HTTP port in 4400-4499")
         self.http.daemon_threads = True
@@ -214,8 +245,11 @@ class Receiver:
         self.http_thread.start()
 
     def start(self) -> "Receiver":
+        """Serve; called again after ``stop()``, comes back on the same ports."""
+        self.closing = False
         self._start_grpc()
         self._start_http()
+        self.started += 1
         return self
 
     @property
@@ -229,10 +263,23 @@ class Receiver:
     def url(self, protocol: str) -> str:
         return self.grpc_url if protocol == "grpc" else self.http_url
 
-    def stop(self) -> None:
-        self.grpc.stop(0)
+    def stop(self, grace: float = 5.0) -> None:
+        """Go down: answer the exports in flight (within ``grace`` seconds), refuse the rest, close
+        every connection.  An export is either decoded and answered, or refused and not decoded."""
+        self.grpc.stop(grace).wait(grace + 1)
+        end = time.monotonic() + grace
+        with self.cv:
+            self.closing = True
+            while self.inflight and time.monotonic() < end:
+                self.cv.wait(0.05)
+            conns = list(self.conns)
         self.http.shutdown()
         self.http.server_close()
+        for c in conns:  # kept-alive connections would otherwise go on being served
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def __enter__(self):
         return self.start()

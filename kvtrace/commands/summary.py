@@ -42,6 +42,23 @@ def summarize(ds: Dataset, run: str | None = None) -> dict:
     return {"runs": runs, "tables": tables, "problems": ds.problems}
 
 
+def sink_lines(run: dict) -> list[str]:
+    """One line per live sink of a run (the OTLP exporter): what it built, sent and dropped."""
+    try:
+        sinks = json.loads(run.get("sinks") or "[]")
+    except (TypeError, ValueError):
+        return []
+    out = []
+    for s in sinks:
+        if s.get("name") != "otlp":
+            continue
+        out.append(f"  otlp {s.get('protocol')} {s.get('url')}: {s.get('spans_built', 0)} spans built, "
+                   f"{s.get('sent', 0)} sent, {s.get('dropped', 0)} dropped ({s.get('dropped_queue_full', 0)} queue full, "
+                   f"{s.get('failed', 0)} failed, {s.get('rejected', 0)} rejected, "
+                   f"{s.get('dropped_at_shutdown', 0)} at shutdown)")
+    return out
+
+
 def print_summary(ds: Dataset, run: str | None = None, console: Console | None = None) -> dict:
     console = console or Console(stderr=False)
     s = summarize(ds, run)
@@ -55,6 +72,8 @@ def print_summary(ds: Dataset, run: str | None = None, console: Console | None =
         for probe, why in (r.get("probes_skipped") or {}).items():
             if why != "not selected":
                 console.print(f"  skipped {probe}: {why}")
+        for line in sink_lines(r):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
     t = Table(title=f"kvtrace summary of {ds.root}")
     for col in ("table", "rows", "bytes", "pids", "p50 ms", "p99 ms"):
         t.add_column(col, justify="right" if col != "table" else "left")

@@ -6,7 +6,11 @@ after ``delay`` seconds), sends one ExportTraceServiceRequest with a timeout, re
 retryable failure (gRPC UNAVAILABLE/RESOURCE_EXHAUSTED/DEADLINE_EXCEEDED, HTTP 429/502/503/504)
 at most twice with a short backoff, then drops the batch and counts its spans as failed.  After a
 failure it waits (exponential, up to 5 s) before the next attempt, so an endpoint that is down,
-slow or refusing costs a bounded queue and counters, never capture.
+slow or refusing costs a bounded queue and counters, never capture.  gRPC's own reconnect backoff
+is capped the same way, so export resumes within seconds of an endpoint coming back.
+
+Every span submitted ends up in exactly one counter: sent, dropped (queue full, failed, rejected,
+at shutdown), or still queued / in flight while running.
 """
 from __future__ import annotations
 
@@ -38,7 +42,8 @@ class Stats:
     metrics_sent: int = 0
     metrics_failed: int = 0
     last_error: str = ""
-    queue_high_water: int = 0
+    queue_high_water: int = 0          # spans
+    queue_bytes_high_water: int = 0    # bytes of encoded spans
     extra: dict = field(default_factory=dict)
 
     def dropped(self) -> int:
@@ -83,13 +88,17 @@ def parse_endpoint(url: str, protocol: str) -> dict:
 
 
 class _Grpc:
-    def __init__(self, ep: dict, timeout: float):
+    def __init__(self, ep: dict, timeout: float, max_backoff: float = 5.0):
         try:
             import grpc
         except ImportError:
             raise UsageError("--otlp-protocol grpc needs the grpcio package (pip install grpcio)") from None
         self.grpc = grpc
-        opts = [("grpc.enable_retries", 0), ("grpc.max_send_message_length", 64 << 20)]
+        # gRPC reconnects a failed channel with its own backoff (up to 120 s by default): capped
+        # like the exporter's, or export would resume up to two minutes after the endpoint is back
+        cap = max(100, int(max_backoff * 1000))
+        opts = [("grpc.enable_retries", 0), ("grpc.max_send_message_length", 64 << 20),
+                ("grpc.initial_reconnect_backoff_ms", min(1000, cap)), ("grpc.max_reconnect_backoff_ms", cap)]
         if ep["secure"]:
             self.channel = grpc.secure_channel(ep["target"], grpc.ssl_channel_credentials(), options=opts)
         else:
@@ -180,7 +189,7 @@ class Exporter:
         self.max_queue, self.max_queue_bytes = max_queue, max_queue_bytes
         self.batch_size, self.delay, self.timeout = batch_size, delay, timeout
         self.max_backoff = max_backoff
-        self.client = _Grpc(self.ep, timeout) if protocol == "grpc" else _Http(self.ep, timeout)
+        self.client = _Grpc(self.ep, timeout, max_backoff) if protocol == "grpc" else _Http(self.ep, timeout)
         self.q: collections.deque = collections.deque()
         self.q_bytes = 0
         self.metrics_pending: bytes | None = None
@@ -188,6 +197,8 @@ class Exporter:
         self.cv = threading.Condition()
         self.stopping = False
         self.busy = False
+        self.in_flight = 0      # spans taken from the queue, not yet counted sent or dropped
+        self.abandoned = False  # close() gave up waiting for the sender: it counts nothing more
         self.backoff_until = 0.0
         self.backoff = 0.0
         self.thread = threading.Thread(target=self._run, name="kvtrace-otlp", daemon=True)
@@ -208,9 +219,15 @@ class Exporter:
             self.stats.submitted += len(spans)
             self.stats.dropped_queue_full += dropped
             self.stats.queue_high_water = max(self.stats.queue_high_water, len(self.q))
+            self.stats.queue_bytes_high_water = max(self.stats.queue_bytes_high_water, self.q_bytes)
             if len(self.q) >= self.batch_size or self.metrics_pending is not None:
                 self.cv.notify()
         return dropped
+
+    def queued(self) -> tuple[int, int]:
+        """(spans, bytes) waiting in the queue now; bounded by max_queue and max_queue_bytes."""
+        with self.cv:
+            return len(self.q), self.q_bytes
 
     def submit_metrics(self, body: bytes) -> None:
         """Cumulative metrics: only the latest pending export matters (it replaces an unsent one)."""
@@ -241,6 +258,7 @@ class Exporter:
                 self.q_bytes -= sum(len(s) for s in batch)
                 metrics, self.metrics_pending = self.metrics_pending, None
                 self.busy = True
+                self.in_flight = len(batch)
             try:
                 if batch:
                     self._send_batch(batch)
@@ -272,13 +290,19 @@ class Exporter:
         try:
             resp = self._send("traces", body)
         except SendError:
-            self.stats.failed += len(batch)
-            self.stats.batch_failures += 1
+            with self.cv:
+                if not self.abandoned:
+                    self.stats.failed += len(batch)
+                    self.stats.batch_failures += 1
+                    self.in_flight = 0
             return
         rej = _rejected("traces", resp)
-        self.stats.rejected += rej
-        self.stats.sent += len(batch) - rej
-        self.stats.batches += 1
+        with self.cv:
+            if not self.abandoned:
+                self.stats.rejected += rej
+                self.stats.sent += len(batch) - rej
+                self.stats.batches += 1
+                self.in_flight = 0
 
     def _send_metrics(self, body: bytes) -> None:
         try:
@@ -315,6 +339,11 @@ class Exporter:
                 self.metrics_pending = None
             self.cv.notify_all()
         self.thread.join(self.timeout * 3 + 1)
+        with self.cv:
+            if self.thread.is_alive() and self.in_flight:  # its fate is unknown: counted, never twice
+                self.abandoned = True
+                self.stats.dropped_at_shutdown += self.in_flight
+                self.in_flight = 0
         self.client.close()
         return self.stats
 

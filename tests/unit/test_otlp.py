@@ -5,10 +5,9 @@ inside the pipeline, and an endpoint that is down, slow or refusing.  No root.
 from __future__ import annotations
 
 import json
+import os
 import resource
-import sys
 import time
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -24,10 +23,10 @@ from kvtrace.otlp.exporter import Exporter
 from kvtrace.otlp.model import Span
 from kvtrace.otlp.sink import OtlpSink
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from otlp_receiver import Receiver, free_port  # noqa: E402
+from tests.helpers import rss_bytes
+from tests.otlp_receiver import Receiver, free_port
 
-from .test_correlate import A, TP, run_tables, _slices  # noqa: E402
+from .test_correlate import A, TP, run_tables, _slices
 
 OFFSET = 1_700_000_000_000_000_000
 
@@ -65,7 +64,7 @@ attrs = st.lists(st.tuples(st.text(min_size=1, max_size=30), values), max_size=1
 def test_encoder_round_trips_through_opentelemetry_proto(name, start, dur, a, evs, parent, state, dropped, error):
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-    from otlp_receiver import _attrs
+    from tests.otlp_receiver import _attrs
 
     s = Span(b"\x01" * 16, b"\x02" * 8, b"\x03" * 8 if parent else b"", name, start, start + dur, tuple(a), tuple(evs),
              state, dropped, error)
@@ -89,7 +88,7 @@ def test_columnar_encoding_equals_the_span_path(seed):
 
     from kvtrace.correlate.derive import correlate_tables
     from kvtrace.otlp.sink import encoded_spans_of_pass, spans_of_pass
-    from otlp_receiver import Received
+    from tests.otlp_receiver import Received
 
     for tables in (run_tables(), synthetic.workload(300, seed=seed)):
         res, accs, _, traces = correlate_tables(tables, "r")
@@ -174,10 +173,12 @@ def test_export_sends_the_dataset_as_one_trace_per_request(dataset, receiver, kv
     by_name: dict[str, list] = {}
     for s in spans:
         by_name.setdefault(s.name, []).append(s)
-    # 3 requests, 6 chunks, A's named load with its file reads and its block read (aggregated)
+    # 3 requests, 6 chunks, A's named load with its file reads and its block read (aggregated), and
+    # the NVMe commands of step 1 under each of its 2 chunks
     assert {k: len(v) for k, v in by_name.items()} == {"kvtrace.request": 3, "kvtrace.prefill_chunk": 6,
-                                                       "kvtrace.kv_load": 1, "kvtrace.file_io": 1, "kvtrace.block_io": 1}
-    assert sent["spans"] == len(spans) == sent["sent"] == 12 and sent["dropped"] == 0
+                                                       "kvtrace.kv_load": 1, "kvtrace.file_io": 1, "kvtrace.block_io": 1,
+                                                       "kvtrace.nvme": 2}
+    assert sent["spans"] == len(spans) == sent["sent"] == 14 and sent["dropped"] == 0
     ids = {s.span_id: s for s in spans}
     assert len(ids) == len(spans)
     # one trace per request, the request span its root (or a child of the caller's span)
@@ -326,7 +327,7 @@ class _Replay:
         return {}
 
 
-def test_capture_goes_on_when_the_endpoint_is_down(tmp_path):
+def test_capture_goes_on_when_the_endpoint_is_down(tmp_path, kvtrace_cli):
     """The pipeline with an OTLP sink to a dead endpoint: every row still reaches Parquet, the
     derived tables are written at the clean stop, the sink's memory stays bounded and the run row
     reports the drops."""
@@ -363,6 +364,37 @@ def test_capture_goes_on_when_the_endpoint_is_down(tmp_path):
     assert ds.table("requests").num_rows == req.num_rows == 1500 and not pipe.notes
     assert elapsed < 30, elapsed
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < 400_000  # KiB
+    r = kvtrace_cli("summary", str(tmp_path / "ds"))
+    assert r.returncode == 0, r.stderr
+    assert (f"otlp grpc {sink.exporter.url}: {s['spans_built']} spans built, 0 sent, {s['dropped']} dropped "
+            f"({s['dropped_queue_full']} queue full, {s['failed']} failed, 0 rejected, {s['dropped_at_shutdown']} at shutdown)"
+            in r.stdout), r.stdout
+
+
+def test_a_batch_still_in_flight_at_close_is_counted_once(many):
+    """close() gives up on a send that does not return: its spans are counted dropped at shutdown,
+    and the late answer counts nothing more, so sent + dropped stays what was submitted."""
+    import threading
+
+    release = threading.Event()
+
+    class Stuck:
+        def send(self, kind, body):
+            release.wait(30)
+            return b""
+
+        def close(self):
+            pass
+
+    e = Exporter(f"http://127.0.0.1:{free_port()}", "http", (), timeout=0.1, delay=0.01)
+    e.client = Stuck()
+    e.submit(many[:5])
+    assert e.flush(0.5) is False and e.in_flight == 5
+    stats = e.close(timeout=0.1)
+    release.set()
+    e.thread.join(5)
+    assert not e.thread.is_alive()
+    assert (stats.sent, stats.dropped_at_shutdown, stats.dropped(), stats.submitted) == (0, 5, 5, 5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,3 +427,95 @@ def test_bad_urls_and_a_dead_endpoint_are_one_line(dataset, kvtrace_cli):
     assert r.stderr.splitlines()[-1].startswith("kvtrace: no span reached")
     r = kvtrace_cli("export", str(dataset / "nope"), "--otlp", "http://127.0.0.1:4400")
     assert r.returncode == 6 and "no dataset at" in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# The backend down for a minute, then back (tests/privileged/test_otlp_outage.py does the same
+# under `kvtrace attach`)
+
+OUTAGE_S = 60.0   # a real minute
+RATE = 1000       # spans/s into each exporter, in ticks of TICK seconds
+TICK = 0.1
+RESUME_S = 30.0   # export resumes well within this after the backend is back (both backoffs cap at 5 s)
+
+
+class _Backend:
+    """One exporter, with its own queue bound, sending to one receiver; spans are numbered (the
+    span id is the number) so what arrived can be told apart."""
+
+    def __init__(self, protocol: str, **bound):
+        self.rx = Receiver().start()
+        self.bound = {"max_queue": 8192, "max_queue_bytes": 32 << 20, **bound}
+        self.e = Exporter(self.rx.url(protocol), protocol, (("service.name", "kvtrace"),), **self.bound)
+        self.produced = 0
+        self.queued_max = (0, 0)
+
+    def produce(self, n: int) -> None:
+        pad = "x" * 200
+        spans = [encode.span(Span(b"\x01" * 16, (self.produced + k + 1).to_bytes(8, "big"), b"", "kvtrace.test", k,
+                                  k + 1, (("kvtrace.test.pad", pad),), (), "", 0, False)) for k in range(n)]
+        self.produced += n
+        self.e.submit(spans)
+        q = self.e.queued()
+        assert q[0] <= self.bound["max_queue"] and q[1] <= self.bound["max_queue_bytes"], (q, self.bound)
+        self.queued_max = max(self.queued_max[0], q[0]), max(self.queued_max[1], q[1])
+
+    def decoded(self, after: int = 0) -> list[int]:
+        return [n for n in (int(s.span_id, 16) for s in list(self.rx.got.spans)) if n > after]
+
+
+def test_backend_down_for_a_minute_then_back():
+    """gRPC (bound by span count) and HTTP (bound by bytes) side by side: the receivers go down
+    for OUTAGE_S seconds while spans keep coming, then come back on the same ports.  The queues
+    stay within their bounds (and memory stops growing), every span is either decoded exactly once
+    or counted dropped, and export resumes: every span made after the recovery arrives."""
+    backends = [_Backend("grpc", max_queue=2000), _Backend("http", max_queue_bytes=256 << 10)]
+
+    def run(seconds: float, until=None) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and not (until and until()):
+            for b in backends:
+                b.produce(int(RATE * TICK))
+            time.sleep(TICK)
+
+    try:
+        run(2.0)
+        for b in backends:
+            assert b.e.flush(30) and len(b.decoded()) == b.produced and b.e.stats.dropped() == 0
+        for b in backends:
+            b.rx.stop()
+        rss = [rss_bytes(os.getpid())]
+        for _ in range(int(OUTAGE_S)):
+            run(1.0)
+            rss.append(rss_bytes(os.getpid()))
+        for b in backends:
+            assert b.e.stats.sent == len(b.decoded())  # nothing arrived while down
+            b.rx.start()
+        marks = [b.produced for b in backends]
+        # export resumes; the queue is FIFO: once a span made after the restart arrives, the
+        # backlog of the outage is sent or dropped
+        run(RESUME_S, until=lambda: all(b.decoded(m) for b, m in zip(backends, marks)))
+        assert all(b.decoded(m) for b, m in zip(backends, marks)), [b.e.stats.as_dict() for b in backends]
+        after = [b.produced for b in backends]
+        run(2.0)
+        stats = [b.e.close(30.0) for b in backends]
+    finally:
+        for b in backends:
+            b.rx.stop(grace=1)
+    for b, s, a in zip(backends, stats, after):
+        name = b.e.protocol
+        d = b.decoded()
+        # bounded: the bound was reached and held
+        assert s.queue_high_water <= b.bound["max_queue"] and s.queue_bytes_high_water <= b.bound["max_queue_bytes"]
+        assert s.dropped_queue_full > 0 and s.failed > 0, (name, s.as_dict())
+        # exact
+        assert len(set(d)) == len(d) == s.sent, name
+        assert s.dropped() == b.produced - len(d) == s.submitted - s.sent, (name, s.as_dict(), len(d))
+        # resumed: every span made after the recovery arrived
+        assert set(range(a + 1, b.produced + 1)) <= set(d), (name, s.as_dict())
+        assert f"{s.dropped()} dropped" in b.e.describe()
+    # memory: in the outage's second half (the queues full, production going on) it grows by less
+    # than half of what that half's spans would take if kept
+    kept = sum(RATE * (len(rss) - 1 - len(rss) // 2) * s.queue_bytes_high_water / s.queue_high_water for s in stats)
+    half = len(rss) // 2
+    assert max(rss[half:]) - rss[half] < kept / 2, ([x >> 20 for x in rss], kept)

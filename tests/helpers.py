@@ -1,0 +1,68 @@
+"""Helpers shared by the tests: a free local port in a range, waiting for a condition, a
+process's resident memory, and requests to a vLLM server's OpenAI API."""
+from __future__ import annotations
+
+import json
+import random
+import socket
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port(lo: int, hi: int, avoid=()) -> int:
+    """A port in [lo, hi] nothing on 127.0.0.1 is bound to (the range a test may use), tried in
+    random order so tests running at once rarely race for the same one."""
+    ports = [p for p in range(lo, hi + 1) if p not in avoid]
+    random.shuffle(ports)
+    for port in ports:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {lo}-{hi}")
+
+
+def wait_for(pred, timeout: float = 30.0, what: str | None = None, step: float = 0.05):
+    """Poll ``pred`` until it returns something true and return that.  At the timeout: raise
+    AssertionError naming ``what`` when given, else return ``pred()``'s last (false) value."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(step)
+    v = pred()
+    if not v and what is not None:
+        raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+    return v
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process now (VmRSS), 0 once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def post_completion(url: str, model: str, prompt, request_id: str, max_tokens: int = 4, headers: dict | None = None,
+                    timeout: float = 300, **extra) -> dict:
+    """POST /v1/completions (greedy) with vLLM's X-Request-Id; the decoded JSON answer."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", "X-Request-Id": request_id,
+                                          **(headers or {})})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def reset_prefix_cache(url: str) -> None:
+    """Empty vLLM's prefix cache (POST /reset_prefix_cache)."""
+    req = urllib.request.Request(f"{url}/reset_prefix_cache", method="POST", data=b"")
+    urllib.request.urlopen(req, timeout=60).read()
