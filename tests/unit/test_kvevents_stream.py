@@ -14,6 +14,7 @@ import pytest
 import zmq
 
 from kvtrace.vllm.kvevents import END_SEQ, KvEventSubscriber
+from tests.helpers import wait_for
 
 
 def batch(i: int) -> bytes:
@@ -94,15 +95,6 @@ class FakePublisher:
 @pytest.fixture
 def eps(tmp_path):
     return f"ipc://{tmp_path}/pub.sock", f"ipc://{tmp_path}/replay.sock"
-
-
-def wait_for(pred, timeout=5.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return pred()
 
 
 def seqs(sub) -> list[int]:

@@ -3,7 +3,6 @@ its ZMQ KV-event stream that keeps every batch with its arrival time."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import threading
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvtrace.vllm.server import VllmServer, vllm_python
+from tests import helpers
 
 BLOCK_SIZE = 32
 SERVER_ARGS = [
@@ -40,16 +40,7 @@ def vllm_skip_reason() -> str | None:
 
 def free_port(lo: int = 8100, hi: int = 8199, avoid: tuple[int, ...] = ()) -> int:
     """A free 127.0.0.1 port in [lo, hi] (the range these tests may use)."""
-    for port in range(lo, hi + 1):
-        if port in avoid:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {lo}-{hi}")
+    return helpers.free_port(lo, hi, avoid)
 
 
 @dataclass
@@ -98,14 +89,8 @@ class HookedServer:
     events: KvEventSink
 
     def post(self, prompt: list[int], request_id: str, max_tokens: int = 4, **extra) -> dict:
-        import urllib.request
-
-        body = {"model": self.server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "return_token_ids": True, **extra}
-        req = urllib.request.Request(f"{self.server.url}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json", "X-Request-Id": request_id})
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return json.loads(r.read())
+        return helpers.post_completion(self.server.url, self.server.model, prompt, request_id, max_tokens,
+                                       return_token_ids=True, **extra)
 
 
 @pytest.fixture(scope="module")

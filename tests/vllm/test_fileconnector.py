@@ -20,7 +20,6 @@ import pickle
 import random
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -29,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from kvtrace.vllm.server import TINY_LLAMA, VllmServer, vllm_python, write_tiny_model
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.skipif(
     not os.path.exists(vllm_python()),
@@ -53,19 +53,6 @@ COMMON = [
     "--kv-cache-memory-bytes", "8000000", "--num-gpu-blocks-override", str(NUM_BLOCKS),
     "--max-model-len", "2048", "--enable-prompt-tokens-details",
 ]
-
-
-def port_in_range(lo: int = 8200, hi: int = 8300) -> int:
-    start = random.randrange(lo, hi)
-    for i in range(hi - lo):
-        p = lo + (start - lo + i) % (hi - lo)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p))
-            except OSError:
-                continue
-            return p
-    raise RuntimeError(f"no free port in {lo}-{hi - 1}")
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -124,7 +111,7 @@ def run(tmp_path_factory):
         "kv_connector_module_path": "kvtrace.vllm.fileconnector",
         "kv_connector_extra_config": {"path": str(blocks), "stats_dir": str(stats)},
     }
-    server = VllmServer(args=[*COMMON, "--kv-transfer-config", json.dumps(cfg)], port=port_in_range(),
+    server = VllmServer(args=[*COMMON, "--kv-transfer-config", json.dumps(cfg)], port=free_port(8200, 8299),
                         workdir=base / "server")
     server.start(timeout=600)
     try:

@@ -27,6 +27,8 @@ from kvtrace.hook.transport import FLAG_PATH
 from kvtrace.hook.wire import RECORDS
 from kvtrace.vllm.server import vllm_python
 
+from tests.helpers import wait_for
+
 from .conftest import BLOCK_SIZE, vllm_skip_reason
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,16 +60,6 @@ def settled_metrics(server, names, timeout=10.0) -> dict[str, float]:
             return cur
         prev = cur
         time.sleep(0.5)
-
-
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def rows(ds, name: str, pid: int | None = None) -> list[dict]:

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections import Counter
 
 import pyarrow as pa
@@ -21,6 +20,7 @@ from kvtrace.dataset.reader import Dataset
 from kvtrace.inject import injector
 from kvtrace.vllm import workload
 from kvtrace.vllm.server import VllmServer
+from tests.helpers import reset_prefix_cache
 from tests.vllm.conftest import SERVER_ARGS, KvEventSink, free_port, vllm_skip_reason
 
 pytestmark = pytest.mark.root
@@ -75,20 +75,15 @@ class Agent:
         return self.proc.returncode
 
 
-def reset_cache(server) -> None:
-    req = urllib.request.Request(f"{server.url}/reset_prefix_cache", method="POST", data=b"")
-    urllib.request.urlopen(req, timeout=60).read()
-
-
 def test_injected_hook_matches_vllm_and_leaves_on_detach(plain_server, tmp_path):
     server, events = plain_server
     # no kvtrace code in the server to begin with
     assert all(s["status"]["reason"] == "no kvtrace hook in this process" for s in hook_state(server))
     probes = [workload.Request(f"probe{i}", workload.tokens(__import__("random").Random(i), 300), 6) for i in range(3)]
-    reset_cache(server)
+    reset_prefix_cache(server.url)
     before = [r.token_ids for r in workload.run(server.url, server.model, probes)]
 
-    reset_cache(server)
+    reset_prefix_cache(server.url)
     agent = Agent(server, tmp_path / "ds")
     assert any("injected in engine" in l for l in agent.lines)
     t0 = agent.t_attached

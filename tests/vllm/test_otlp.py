@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -23,10 +22,10 @@ import pytest
 
 from kvtrace.vllm.server import TINY_LLAMA, VllmServer
 
-from .conftest import vllm_skip_reason
+from tests.helpers import free_port, post_completion, wait_for
+from tests.otlp_receiver import Receiver
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from otlp_receiver import Receiver  # noqa: E402
+from .conftest import vllm_skip_reason
 
 pytestmark = pytest.mark.root
 REPO = Path(__file__).resolve().parents[2]
@@ -36,36 +35,9 @@ HEAD_DIM = TINY_LLAMA["hidden_size"] // TINY_LLAMA["num_attention_heads"]
 BLOCK_BYTES = TINY_LLAMA["num_hidden_layers"] * 2 * TINY_LLAMA["num_key_value_heads"] * BLOCK * HEAD_DIM * 2
 
 
-def port_8400() -> int:
-    import socket
-
-    for p in range(8400, 8500):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p))
-            except OSError:
-                continue
-            return p
-    raise RuntimeError("no free port in 8400-8499")
-
-
-def wait_for(pred, timeout, what):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def post(server, prompt, name, traceparent, max_tokens=4, **extra):
-    body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
-    req = urllib.request.Request(f"{server.url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", "X-Request-Id": name,
-                                          "traceparent": traceparent})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        return json.loads(r.read())
+    return post_completion(server.url, server.model, prompt, name, max_tokens, headers={"traceparent": traceparent},
+                           **extra)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +55,7 @@ def capture(tmp_path_factory):
                               "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(cfg),
                               "--otlp-traces-endpoint", rx.grpc_url],
                         env={"OTEL_BSP_SCHEDULE_DELAY": "500"},
-                        port=port_8400(), workdir=base / "server")
+                        port=free_port(8400, 8499), workdir=base / "server")
     try:
         server.start(timeout=600)
         yield run_capture(server, rx, base)

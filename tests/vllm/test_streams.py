@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import random
 import re
-import socket
 import signal
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import pytest
 from kvtrace.vllm import discover, kvevents
 from kvtrace.vllm.metrics import MetricsScraper
 from kvtrace.vllm.server import VllmServer, vllm_python
+from tests.helpers import free_port, wait_for
 
 VENV = Path("/var/cache/kvtrace/vllm-venv")
 pytestmark = pytest.mark.skipif(
@@ -41,19 +41,6 @@ ARGS = ["--enable-prefix-caching", "--block-size", str(BLOCK), "--max-num-batche
         "--kv-cache-memory-bytes", "8000000", "--num-gpu-blocks-override", "122", "--max-model-len", "2048",
         "--enable-prompt-tokens-details"]
 ENV = {"VLLM_PLUGINS": "lora_filesystem_resolver"}  # plain vLLM: no in-process plugin of ours
-
-
-def free_port(lo: int, hi: int, avoid=()) -> int:
-    ports = [p for p in range(lo, hi + 1) if p not in avoid]
-    random.shuffle(ports)
-    for port in ports:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    pytest.skip(f"no free port in {lo}-{hi}")
 
 
 def venv_facts() -> dict:
@@ -109,15 +96,6 @@ class DirectSubscriber:
         self.t.join(5)
         self.sock.close(0)
         self.ctx.term()
-
-
-def wait_for(pred, timeout=30.0, step=0.05) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(step)
-    return bool(pred())
 
 
 def prompt(rng: random.Random, n: int) -> list[int]:
