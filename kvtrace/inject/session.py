@@ -63,3 +63,27 @@ class InjectionSession:
     def missing(self) -> list[str]:
         """One line per process where the vLLM signals are missing, and why."""
         return [f"{r.role} {r.pid}: no vLLM hook ({r.reason})" for r in self.results if not r.installed]
+
+
+def inject_hook(server, inject: bool, usermark: bool, echo) -> InjectionSession | None:
+    """Inject the vLLM hook for a capture (unless refused or --no-inject); say through ``echo``
+    which signals are missing and why."""
+    if server is None:
+        return None
+    if not inject or not usermark:
+        why = "--no-inject" if not inject else "the usermark probe is not attached"
+        echo(f"kvtrace: vLLM signals missing (steps, chunks, hits, evictions, KV loads): {why}; "
+             "kernel probes, KV events and /metrics still run")
+        return None
+    session = InjectionSession(server)
+    try:
+        results = session.install()
+    except TargetError as e:
+        echo(f"kvtrace: vLLM signals missing: {e}")
+        return None
+    for r in results:
+        if r.installed:
+            echo(f"kvtrace: vLLM hook {'already active' if r.reused else 'injected'} in {r.role} {r.pid}")
+    for line in session.missing():
+        echo(f"kvtrace: vLLM signals missing in {line}")
+    return session

@@ -154,32 +154,32 @@ def _info(pid, port, kv=None):
 
 
 def test_attach_chooses_a_server(monkeypatch):
-    from kvtrace.commands import attach
+    from kvtrace.vllm import select
     from kvtrace.errors import TargetError, UsageError
 
     servers = []
     monkeypatch.setattr(d, "discover", lambda: list(servers))
     with pytest.raises(UsageError, match="no vLLM server found.*--pid"):
-        attach.choose_server(None, True)
+        select.choose_server(None, True)
     servers.append(_info(100, 8300))
     with pytest.raises(UsageError, match="found 1 vLLM server: pass --yes"):
-        attach.choose_server(None, False)
-    assert attach.choose_server(None, True).pid == 100
-    assert attach.choose_server(8300, False).pid == 100
+        select.choose_server(None, False)
+    assert select.choose_server(None, True).pid == 100
+    assert select.choose_server(8300, False).pid == 100
     servers.append(_info(200, 8301))
     with pytest.raises(UsageError, match=r"found 2 vLLM servers: pick one with --port PORT or --pid PID") as e:
-        attach.choose_server(None, True)
+        select.choose_server(None, True)
     assert e.value.exit_code == 2
-    assert attach.choose_server(8301, False).pids == [200, 201, 202]
+    assert select.choose_server(8301, False).pids == [200, 201, 202]
     with pytest.raises(TargetError, match="no vLLM server listens on port 8399"):
-        attach.choose_server(8399, True)
+        select.choose_server(8399, True)
 
 
 def test_attach_streams_warn_once_and_go_on(capsys):
-    from kvtrace.commands import attach
+    from kvtrace.vllm.streams import start_vllm_streams
 
     kv = d.KvEventsInfo(enabled=True, publisher="zmq", endpoint="tcp://*:1", replay_endpoint=None)
-    sidecars = attach.start_vllm_streams(_info(100, 1, kv), None, None, None, 0.2)
+    sidecars = start_vllm_streams(_info(100, 1, kv), None, None, None, 0.2)
     try:
         err = capsys.readouterr().err.splitlines()
         assert [s.name for s in sidecars] == ["kv_events", "vllm_metrics"]
@@ -189,5 +189,5 @@ def test_attach_streams_warn_once_and_go_on(capsys):
     finally:
         for s in sidecars:
             s.close()
-    none = attach.start_vllm_streams(_info(100, None), None, None, None, 1.0)
+    none = start_vllm_streams(_info(100, None), None, None, None, 1.0)
     assert none == [] and "started without --kv-events-config" in capsys.readouterr().err

@@ -1,0 +1,157 @@
+"""One capture from start to stop: the stages wired (source → decode → correlate → sinks),
+the sidecars started, the vLLM hook injected, the flush loop, and a clean stop that keeps
+everything already captured.  ``kvtrace attach`` checks its options and calls ``run``."""
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass, field
+
+from kvtrace.agentflag import AgentFlag
+from kvtrace.capture import agg
+from kvtrace.errors import OutputError
+from kvtrace.fabric import session as fabric
+from kvtrace.status import StatusLine
+
+
+class Stop:
+    """Why capture ends: a signal, --duration, or every traced process gone."""
+
+    def __init__(self, duration: float | None):
+        self.reason = None
+        self.deadline = time.monotonic() + duration if duration else None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        self.reason = signal.Signals(signum).name
+
+    def check(self, source, watch=None) -> str | None:
+        """``watch``: the vLLM server's watch (kvtrace.vllm.restart), which decides what its
+        processes exiting means; without one, every traced process gone ends the capture."""
+        if self.reason:
+            return self.reason
+        if self.deadline and time.monotonic() >= self.deadline:
+            self.reason = "duration"
+        elif watch is not None:
+            self.reason = watch.poll()
+        elif not source.targets():
+            self.reason = "all traced processes exited"
+        return self.reason
+
+
+@dataclass
+class Capture:
+    """What to capture and where to: ``kvtrace attach``'s checked options."""
+    plan: object                     # kvtrace.capture.program.Plan
+    writer: object                   # kvtrace.dataset.writer.DatasetWriter
+    pids: list[int]
+    out: str
+    command: list[str] = field(default_factory=list)
+    server: object | None = None     # kvtrace.vllm.discover.VllmServerInfo
+    duration: float | None = None
+    flush_interval: float = 1.0
+    sampling: object = "auto"
+    raw_out: str | None = None
+    otlp: str | None = None
+    otlp_protocol: str = "grpc"
+    kv_events: str | None = None
+    kv_replay: str | None = None
+    metrics_url: str | None = None
+    metrics_interval: float = 1.0
+    inject: bool = True
+    on_restart: str | None = None
+    quiet: bool = False
+
+
+def run(cap: Capture, echo) -> tuple[object, str]:
+    """Capture until stopped; returns (pipeline, why it stopped).  ``echo`` prints one line."""
+    from kvtrace import targets
+    from kvtrace.capture.loader import Source
+    from kvtrace.pipeline import Pipeline
+    from kvtrace.vllm.streams import start_vllm_streams
+
+    plan, writer, server = cap.plan, cap.writer, cap.server
+    pids = list(cap.pids)
+    source = Source(plan)
+    gated = pipeline = raw = None
+    try:
+        if cap.command:
+            gated = targets.GatedCommand(list(cap.command))
+            pids.append(gated.pid)
+        for pid in pids:
+            source.add_target(pid)
+        raw = open(cap.raw_out, "wb") if cap.raw_out else None
+        pipeline = Pipeline(source, plan, writer, pids, command=" ".join(cap.command), raw_out=raw,
+                            fresh_pids=(gated.pid,) if gated else ())
+        if cap.otlp:
+            from kvtrace.otlp.sink import OtlpSink
+
+            pipeline.add_sink(OtlpSink(cap.otlp, cap.otlp_protocol, writer.run, writer.host, pipeline.offset,
+                                       lateness_s=2 * cap.flush_interval + 1))
+        for name, why in plan.skipped.items():
+            if why != "not selected":
+                echo(f"kvtrace: probe {name} skipped: {why}")
+        for sidecar in start_vllm_streams(server, cap.kv_events, cap.kv_replay, cap.metrics_url,
+                                          cap.metrics_interval, echo=echo):
+            pipeline.add_sidecar(sidecar)
+        fabric.start(pipeline, source)  # NVMe topology, NIC counters, nvme/tcp probe settings
+        agg.start(pipeline, source, cap.sampling, echo=echo)  # exact counts, sampling
+        echo(f"kvtrace: attached {', '.join(plan.attached)} to pid {', '.join(map(str, pids))}; writing {cap.out}")
+        source.start()
+        if gated:
+            gated.release()
+        stop = Stop(cap.duration)
+        reason = _loop(cap, source, pipeline, server, stop, gated, echo)
+        pipeline.finish()
+    finally:
+        for sidecar in pipeline.sidecars if pipeline is not None else ():
+            sidecar.close()
+        for sink in pipeline.sinks if pipeline is not None else ():
+            sink.close()
+        source.close()
+        if raw:
+            raw.close()
+    return pipeline, reason
+
+
+def _loop(cap: Capture, source, pipeline, server, stop: Stop, gated, echo) -> str:
+    """Flush every ``flush_interval`` until ``stop`` says why; then take the hook out."""
+    from kvtrace.inject.session import inject_hook
+
+    status = StatusLine(quiet=cap.quiet)
+    usermark = "usermark" in cap.plan.attached
+    flag = AgentFlag().__enter__() if usermark else None
+    injection = inject_hook(server, cap.inject, usermark, echo)
+    watch = None
+    if server is not None and server.port is not None:
+        from kvtrace.vllm.restart import ServerWatch
+
+        reinject = (lambda new: inject_hook(new, cap.inject, True, echo)) if injection is not None else None
+        watch = ServerWatch(server, cap.on_restart or "exit", source, pipeline, reinject=reinject,
+                            echo=echo, out=cap.out)
+        pipeline.add_sidecar(watch)
+    next_flush = time.monotonic() + cap.flush_interval
+    try:
+        while not stop.check(source, watch):
+            time.sleep(0.05)
+            if time.monotonic() >= next_flush:
+                pipeline.step()
+                next_flush = time.monotonic() + cap.flush_interval
+                t = pipeline.totals
+                status.update(t.total(), t.bytes_read, t.bytes_written, sum(pipeline.lost_by_table().values()), source.dropped)
+        status.done()
+    except OutputError as e:
+        echo(f"kvtrace: {e}")
+        raise
+    finally:   # also when writing failed: the server must not keep a hook for a dead capture
+        if watch is not None and watch.injection is not None:
+            injection = watch.injection   # the server was restarted: the hook is in its new processes
+        if injection is not None:
+            injection.uninstall()  # the hook flushes its last records on the way out
+            time.sleep(0.2)
+        if flag:
+            flag.__exit__(None, None, None)
+    if gated and gated.poll() is None:
+        gated.stop()   # a command kvtrace started ends with the capture (not when writing failed)
+    return stop.reason

@@ -1,0 +1,39 @@
+"""Which vLLM server a capture traces: the one on --port, the only one (--yes), or the one a
+traced pid belongs to."""
+from __future__ import annotations
+
+from kvtrace.errors import TargetError, UsageError
+
+
+def choose_server(port: int | None, yes: bool):
+    """The one vLLM server to trace when neither --pid nor a command is given."""
+    from kvtrace.commands.servers import render
+    from kvtrace.vllm.discover import discover
+
+    servers = discover()
+    if port is not None:
+        match = [s for s in servers if s.port == port]
+        if len(match) == 1:
+            return match[0]
+        if not match:
+            ports = ", ".join(str(s.port) for s in servers) or "none"
+            raise TargetError(f"no vLLM server listens on port {port} (vLLM servers found on ports: {ports})")
+        servers = match
+    if not servers:
+        raise UsageError("nothing to trace: no vLLM server found; give --pid PID, or a command after -- (kvtrace attach --out DIR -- CMD)")
+    if len(servers) == 1 and (yes or port is not None):
+        return servers[0]
+    render(servers)
+    if len(servers) == 1:
+        raise UsageError("found 1 vLLM server: pass --yes to attach to it, or pick it with --port PORT / --pid PID")
+    raise UsageError(f"found {len(servers)} vLLM servers: pick one with --port PORT or --pid PID")
+
+
+def server_of(pids) -> object | None:
+    """The discovered vLLM server one of these pids belongs to, if any."""
+    from kvtrace.vllm.discover import discover
+
+    for server in discover():
+        if set(pids) & set(server.pids):
+            return server
+    return None

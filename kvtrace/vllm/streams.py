@@ -1,0 +1,56 @@
+"""The vLLM-side streams of a capture: the KV-event subscriber(s) and the /metrics scraper."""
+from __future__ import annotations
+
+import sys
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def start_vllm_streams(server, kv_events: str | None, kv_replay: str | None, metrics_url: str | None,
+                       metrics_interval: float, echo=_stderr) -> list:
+    """Start the KV-event subscriber(s) and the /metrics scraper for this capture.
+
+    Explicit --kv-events / --metrics-url win over what discovery found.  An endpoint that
+    cannot be reached gives one warning line; capture goes on (the threads keep retrying).
+    """
+    from kvtrace.vllm import kvevents
+    from kvtrace.vllm.metrics import MetricsScraper
+
+    sidecars, notes = [], []
+    root = f"/proc/{server.pid}/root" if server is not None and server.in_container else None
+    endpoints: list[tuple[str, str | None, str]] = []  # (vLLM-side endpoint, replay, topic)
+    if kv_events:
+        endpoints.append((kv_events, kv_replay, ""))
+    elif server is not None and server.kv_events is not None and server.kv_events.enabled:
+        kv = server.kv_events
+        for rank in range(kv.dp_size):
+            endpoints.append((kvevents.rank_endpoint(kv.endpoint, rank),
+                              kvevents.rank_endpoint(kv.replay_endpoint, rank), kv.topic))
+    for endpoint, replay, topic in endpoints:
+        try:
+            address, bind = kvevents.subscriber_endpoint(endpoint, root=root)
+        except ValueError as e:
+            echo(f"kvtrace: warning: {e}; capture continues without kv_events")
+            continue
+        sub = kvevents.KvEventSubscriber(address, kvevents.replay_address(replay, root=root) if replay else None,
+                                         topic=topic, bind=bind)
+        for w in sub.start():
+            echo(f"kvtrace: warning: {w}")
+        sidecars.append(sub)
+        notes.append(f"kv_events from {address}" + (" (bound: vLLM connects to it)" if sub.bind else ""))
+    if server is not None and server.kv_events is not None and not server.kv_events.enabled and not kv_events:
+        notes.append("no kv_events (the server was started without KV events)")
+    elif server is not None and server.kv_events is None and not kv_events:
+        notes.append("no kv_events (the server was started without --kv-events-config)")
+    url = metrics_url or (server.metrics_url if server is not None else None)
+    if url:
+        scraper = MetricsScraper(url, interval=metrics_interval)
+        for w in scraper.start():
+            echo(f"kvtrace: warning: {w}")
+        sidecars.append(scraper)
+        notes.append(f"vllm_metrics from {url} every {metrics_interval:g}s")
+    if notes:
+        echo("kvtrace: vLLM streams: " + "; ".join(notes))
+    return sidecars
