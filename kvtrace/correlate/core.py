@@ -134,6 +134,7 @@ class Result:
     arrives: list[dict] = field(default_factory=list)        # every arrive row seen (not only final)
     finishes: list[dict] = field(default_factory=list)
     done: dict[str, np.ndarray] = field(default_factory=dict)  # per input table: rows decided
+    nvme_groups: list[dict] = field(default_factory=list)    # NVMe commands per step and queue, for chunk spans
 
 
 def _union_len(iv: list[tuple[int, int]]) -> int:
@@ -276,6 +277,7 @@ def correlate(tables: dict[str, pa.Table], run: str = "", final_before: int | No
     nic: list[dict] = [dict() for _ in range(steps.n)]
     overlap_attr = []
     overlap_done = {}
+    nv_pairs: list[tuple[int, int]] = []   # (step row, nvme_cmd row) for every overlap
     for name in sorted(tables):
         if not name.startswith(OVERLAP_PREFIXES) or tables[name] is None or tables[name].num_rows == 0:
             continue
@@ -301,6 +303,7 @@ def correlate(tables: dict[str, pa.Table], run: str = "", final_before: int | No
                         continue
                     overlap_attr.append((name, s1, s0, row, share))
                     if name.startswith("nvme"):
+                        nv_pairs.append((row, r))
                         weight = x["n:weight"][r] if "n:weight" in x and x["n:weight"][r] > 0 else 1.0
                         nvme_cmds[row] += share * weight
                         if "n:bytes" in x:
@@ -316,6 +319,12 @@ def correlate(tables: dict[str, pa.Table], run: str = "", final_before: int | No
         if not index.engines:
             done |= x["end"] < H
         overlap_done[name] = done
+    nv = _nvme_rows(tables.get("nvme_cmd"))
+    nv_transfer = _thread_match(nv, tr, tr_named) if nv is not None else np.zeros(0, np.int64)
+    if nv is not None and "nvme_cmd" in overlap_done:
+        # a command issued by a transfer's thread stays until that transfer is decided
+        pend = (nv_transfer >= 0) & ~tr_final[np.maximum(nv_transfer, 0)] if tr.n else np.zeros(nv.n, bool)
+        overlap_done["nvme_cmd"] = overlap_done["nvme_cmd"] & ~pend
 
     # -- per-step aggregates (final steps) ------------------------------------------------------------
     n = steps.n
@@ -425,13 +434,47 @@ def correlate(tables: dict[str, pa.Table], run: str = "", final_before: int | No
             ok = tc >= 0
             np.add.at(cagg[col], tc[ok], x["bytes"][m][ok].astype(np.int64))
 
+    # NVMe per step: the latency of the commands overlapping it (each counted with its weight),
+    # and the commands per (step, controller, queue, op class) for the chunks' spans
+    nv_w = np.zeros(n, np.float64)
+    nv_lat = np.zeros(n, np.float64)
+    nv_max = np.zeros(n, np.int64)
+    nv_by: dict[tuple, dict] = {}
+    for row, r in nv_pairs:
+        w = float(nv["weight"][r])
+        lat = int(nv["latency_ns"][r])
+        nv_w[row] += w
+        nv_lat[row] += w * lat
+        nv_max[row] = max(nv_max[row], lat)
+        g = nv_by.setdefault((row, nv["ctrl"][r], int(nv["qid"][r]), nv["opclass"][r]), _nvme_group(nv, r))
+        _nvme_add(g, nv, r)
+    nv_avg = np.divide(nv_lat, nv_w, out=np.zeros(n, np.float64), where=nv_w > 0)
+
     cs = np.flatnonzero(ch_final)
+    chunks_of_step: dict[int, list] = {}
+    for i in cs.tolist():
+        if ch_step[i] >= 0:
+            chunks_of_step.setdefault(int(ch_step[i]), []).append((ch["request"][i], int(ch["attempt"][i]), int(ch["step"][i])))
+    nvme_groups = []
+    for (row, ctrl, qid, opclass), g in sorted(nv_by.items(), key=lambda kv: kv[0]):
+        if chunks_of_step.get(row):
+            g["chunks"] = chunks_of_step[row]
+            g["step"] = int(steps["step"][row])
+            # the span shows the part inside the step's window (its chunks' spans)
+            g["start_ns"] = max(g["start_ns"], int(steps["t_start_ns"][row]))
+            g["end_ns"] = max(min(g["end_ns"], int(steps["t_end_ns"][row])), g["start_ns"])
+            nvme_groups.append(g)
     rows = {k: [] for k in ("cached_tokens", "cached_local", "cached_external", "hit_blocks", "t_start_ns",
                             "t_end_ns", "sched_ns", "storage_wait_ns", "compute_ns", "step_tokens",
                             "shared_file_bytes", "shared_block_bytes", "bottleneck", "trace_id", "span_id",
                             "parent_span_id")}
+    cnv = {k: [] for k in ("nvme_commands", "nvme_bytes", "nvme_latency_avg_ns", "nvme_latency_max_ns")}
     for i in cs.tolist():
         s = int(ch_step[i])
+        cnv["nvme_commands"].append(float(nvme_cmds[s]) if s >= 0 else 0.0)
+        cnv["nvme_bytes"].append(float(nvme_bytes[s]) if s >= 0 else 0.0)
+        cnv["nvme_latency_avg_ns"].append(float(nv_avg[s]) if s >= 0 else 0.0)
+        cnv["nvme_latency_max_ns"].append(int(nv_max[s]) if s >= 0 else 0)
         r = ch["request"][i]
         first = int(ch["chunk_index"][i]) == 0
         a = admit_of.get((int(ch["pid"][i]), r, int(ch["attempt"][i]))) if first else None
@@ -497,6 +540,10 @@ def correlate(tables: dict[str, pa.Table], run: str = "", final_before: int | No
         "step_tokens": pa.array(rows["step_tokens"], u32),
         "shared_file_bytes": pa.array(rows["shared_file_bytes"], pa.uint64()),
         "shared_block_bytes": pa.array(rows["shared_block_bytes"], pa.uint64()),
+        "nvme_commands": pa.array(cnv["nvme_commands"], pa.float64()),
+        "nvme_bytes": pa.array(cnv["nvme_bytes"], pa.float64()),
+        "nvme_latency_avg_ns": pa.array(cnv["nvme_latency_avg_ns"], pa.float64()),
+        "nvme_latency_max_ns": pa.array(cnv["nvme_latency_max_ns"], pa.int64()),
         "t_start_ns": pa.array(rows["t_start_ns"], pa.uint64()),
         "t_end_ns": pa.array(rows["t_end_ns"], pa.uint64()),
         "bottleneck": pa.array(rows["bottleneck"], pa.string()),
@@ -567,6 +614,12 @@ def correlate(tables: dict[str, pa.Table], run: str = "", final_before: int | No
     add("preempt", pr["t_ns"][sel], pr["t_ns"][sel], pr["pid"][sel], np.zeros(len(sel), np.uint32),
         np.zeros(len(sel), np.uint64), pr_step[sel], pr["request"][sel].tolist(), None, pr_chunk,
         np.zeros(len(sel), np.uint64), np.full(len(sel), EXACT), (pr_step[sel] >= 0).astype(np.int32), np.ones(len(sel)))
+    if nv is not None and tr.n:
+        sel = np.flatnonzero((nv_transfer >= 0) & tr_final[np.maximum(nv_transfer, 0)])
+        trn = nv_transfer[sel]
+        add("nvme_cmd", nv["ts_ns"][sel], nv["setup_ns"][sel], nv["pid"][sel], nv["tid"][sel], nv["bytes"][sel],
+            tr_step[trn], tr["request"][trn].tolist(), None, tr_chunk[trn], tr["t_start_ns"][trn].astype(np.uint64),
+            np.full(len(sel), THREAD), np.ones(len(sel), np.int32), np.ones(len(sel)))
     if overlap_attr:
         o = list(zip(*overlap_attr))
         for name in sorted(set(o[0])):
@@ -633,6 +686,19 @@ def correlate(tables: dict[str, pa.Table], run: str = "", final_before: int | No
                     rows_g = idx_m[order[bounds[g]:bounds[g + 1]]]
                     groups.append(_group(name, tindex.get(int(uk[g][0])), x, k["t"], rows_g, names[int(uk[g][1])],
                                          bool(uk[g][2]), single=False))
+    if nv is not None and tr.n:
+        by_tq: dict[tuple, dict] = {}
+        for r in np.flatnonzero(nv_transfer >= 0).tolist():
+            t = tindex.get(int(nv_transfer[r]))
+            if t is None:
+                continue
+            g = by_tq.setdefault((t, nv["ctrl"][r], int(nv["qid"][r]), nv["opclass"][r]), _nvme_group(nv, r, t))
+            _nvme_add(g, nv, r)
+        for k in sorted(by_tq):
+            g, t = by_tq[k], transfers[k[0]]
+            g["start_ns"] = max(g["start_ns"], t["t_start_ns"])   # the part inside the transfer
+            g["end_ns"] = max(min(g["end_ns"], t["t_end_ns"]), g["start_ns"])
+            groups.append(g)
     groups = [g for g in groups if g["transfer"] is not None]
 
     evicts = [{"engine_pid": int(ev["pid"][i]), "step": int(ev["step"][i]), "t_ns": int(ev["t_ns"][i]),
@@ -664,7 +730,83 @@ def correlate(tables: dict[str, pa.Table], run: str = "", final_before: int | No
             "kv_load": tr_final[: c["kv_load"].n], "kv_store": tr_final[c["kv_load"].n:],
             **{name: k["final"] | ~k["storage"] & (k["t"] < H) for name, k in kio.items()}, **overlap_done}
     return Result(steps_tbl, chunks_tbl, attributions, transfers, groups, evicts, preempts, admits, arrives,
-                  finishes, done)
+                  finishes, done, nvme_groups)
+
+
+NVME_COLS = {"ts_ns": "u8", "setup_ns": "u8", "latency_ns": "i8", "pid": "u4", "tid": "u4", "qid": "u4", "bytes": "u8",
+             "status": "u4", "weight": "u4", "sq_occupancy": "i8"}
+NVME_TEXT = ("ctrl", "transport", "traddr", "opclass")
+
+
+def _nvme_rows(table: pa.Table | None) -> Cols | None:
+    """nvme_cmd's columns the spans and thread matching need (weight 0 or missing = 1)."""
+    if table is None or table.num_rows == 0:
+        return None
+    import pyarrow.compute as pc
+
+    out = Cols()
+    for c, dt in NVME_COLS.items():
+        out[c] = (table[c].fill_null(0).to_numpy(zero_copy_only=False).astype(dt) if c in table.column_names
+                  else np.zeros(table.num_rows, dt))
+    out["has_occ"] = (pc.is_valid(table["sq_occupancy"]).to_numpy(zero_copy_only=False)
+                      if "sq_occupancy" in table.column_names else np.zeros(table.num_rows, bool))
+    for c in NVME_TEXT:
+        out[c] = (np.asarray(table[c].cast(pa.string()).fill_null("").to_pylist(), dtype=object) if c in table.column_names
+                  else np.full(table.num_rows, "", dtype=object))
+    out["weight"] = np.maximum(out["weight"], 1)
+    out["setup_ns"] = np.where(out["setup_ns"] > 0, out["setup_ns"], out["ts_ns"])
+    out.n = table.num_rows
+    return out
+
+
+def _thread_match(nv: Cols, tr: Cols, tr_named: np.ndarray) -> np.ndarray:
+    """Per NVMe command: the KV transfer whose thread issued it (the block layer's issuer) while
+    that transfer ran, named transfers first; -1 if none."""
+    out = np.full(nv.n, -1, np.int64)
+    if not tr.n:
+        return out
+    xkeys = (nv["pid"].astype(np.uint64) << np.uint64(32)) | nv["tid"].astype(np.uint64)
+    for named in (True, False):
+        sel_tr = np.flatnonzero(tr_named == named)
+        if not len(sel_tr):
+            continue
+        keys = (tr["pid"][sel_tr].astype(np.uint64) << np.uint64(32)) | tr["tid"][sel_tr].astype(np.uint64)
+        for key in np.unique(keys):
+            group = sel_tr[keys == key]
+            group = group[np.argsort(tr["t_start_ns"][group], kind="stable")]
+            rows = np.flatnonzero((xkeys == key) & (out < 0) & (nv["tid"] != 0))
+            if not len(rows):
+                continue
+            b, _ = locate(nv["setup_ns"][rows], tr["t_start_ns"][group], tr["t_end_ns"][group])
+            hit = b >= 0
+            out[rows[hit]] = group[b[hit]]
+    return out
+
+
+def _nvme_group(nv: Cols, r: int, transfer: int | None = None) -> dict:
+    return {"kind": "nvme_cmd", "transfer": transfer, "single": False, "ctrl": nv["ctrl"][r], "qid": int(nv["qid"][r]),
+            "opclass": nv["opclass"][r], "transport": nv["transport"][r], "traddr": nv["traddr"][r],
+            "device": f"{nv['ctrl'][r]} q{int(nv['qid'][r])} {nv['opclass'][r]}", "read": nv["opclass"][r] == "read",
+            "start_ns": int(nv["setup_ns"][r]), "end_ns": int(nv["ts_ns"][r]), "first_start_ns": int(nv["setup_ns"][r]),
+            "count": 0, "samples": 0, "bytes": 0, "latency_ns_sum": 0, "latency_ns_max": 0, "errors": 0,
+            "sq_occ_sum": 0, "sq_occ_n": 0}
+
+
+def _nvme_add(g: dict, nv: Cols, r: int) -> None:
+    w = int(nv["weight"][r])
+    lat = int(nv["latency_ns"][r])
+    g["count"] += w
+    g["samples"] += 1
+    g["bytes"] += w * int(nv["bytes"][r])
+    g["latency_ns_sum"] += w * lat
+    g["latency_ns_max"] = max(g["latency_ns_max"], lat)
+    g["errors"] += w * (int(nv["status"][r]) != 0)
+    g["start_ns"] = min(g["start_ns"], int(nv["setup_ns"][r]))
+    g["first_start_ns"] = g["start_ns"]
+    g["end_ns"] = max(g["end_ns"], int(nv["ts_ns"][r]))
+    if nv["has_occ"][r]:
+        g["sq_occ_sum"] += int(nv["sq_occupancy"][r])
+        g["sq_occ_n"] += 1
 
 
 def _group(name: str, transfer: int | None, x: Cols, t: np.ndarray, rows: np.ndarray, device: str, read: bool,

@@ -161,6 +161,7 @@ TABLES: dict[str, pa.Schema] = {
         ("load_blocks", u32), ("load_bytes", u64), ("load_ns", i64), ("store_count", u32), ("store_bytes", u64),
         ("file_read_bytes", u64), ("block_read_bytes", u64), ("storage_wait_ns", i64), ("compute_ns", i64),
         ("sched_ns", i64), ("step_tokens", u32), ("shared_file_bytes", u64), ("shared_block_bytes", u64),
+        ("nvme_commands", f64), ("nvme_bytes", f64), ("nvme_latency_avg_ns", f64), ("nvme_latency_max_ns", i64),
         ("t_start_ns", u64), ("t_end_ns", u64), ("bottleneck", d), ("trace_id", s), ("span_id", s),
         ("parent_span_id", s),
     ]),

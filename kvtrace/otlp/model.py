@@ -2,10 +2,14 @@
 
     kvtrace.request                       arrival (or first schedule) -> finish; events: admit, preempted
       kvtrace.prefill_chunk               one per prefill chunk: its step's window; events: evict, preempt
+        kvtrace.nvme                      the NVMe commands overlapping the chunk's step, per controller,
+                                          queue and op class (every chunk of the step waited for them)
         kvtrace.kv_load / kvtrace.kv_store  a connector transfer that names the request
           kvtrace.block_io / file_io / io_uring   the kernel I/O issued by that transfer's thread while
                                           it ran: one span per block I/O >= the size threshold, the rest
                                           aggregated per device and direction
+          kvtrace.nvme_cmd                the NVMe commands that thread's I/O became, per controller,
+                                          queue and op class
 
 A request that carried a W3C traceparent keeps its trace id; the request span's parent is the
 caller's span (vLLM's llm_request span is its sibling).  Times are wall clock (monotonic + the
@@ -111,8 +115,31 @@ def chunk_spans(res, trace_of, offset: int) -> list[Span]:
                 attrs.append(("kvtrace.io.sector", g["sector"]))
         elif g["kind"] == "file_io":
             attrs.append(("kvtrace.io.files", g["files"]))
+        elif g["kind"] == "nvme_cmd":
+            attrs = [a for a in attrs if a[0] != "disk.io.direction"] + nvme_attrs(g)
         out.append(Span(trace, ids.io_span(parent, *key), parent, f"kvtrace.{g['kind']}", g["start_ns"] + offset,
                         g["end_ns"] + offset, tuple(attrs), (), state, 0, g["errors"] > 0))
+    for g in getattr(res, "nvme_groups", ()):
+        key = ("nvme", g["ctrl"], g["qid"], g["opclass"], g["step"])
+        attrs = (("kvtrace.io.count", g["count"]), ("kvtrace.io.bytes", g["bytes"]),
+                 ("kvtrace.io.latency_ns_sum", g["latency_ns_sum"]), ("kvtrace.io.latency_ns_max", g["latency_ns_max"]),
+                 ("kvtrace.io.errors", g["errors"]), *nvme_attrs(g), ("kvtrace.attribution.how", "time_overlap"))
+        for r, attempt, step in g["chunks"]:
+            trace, _, _, state = trace_of(r)
+            parent = ids.chunk_span(trace, r, attempt, step)
+            out.append(Span(trace, ids.io_span(parent, *key), parent, "kvtrace.nvme", g["start_ns"] + offset,
+                            g["end_ns"] + offset, attrs, (), state, 0, g["errors"] > 0))
+    return out
+
+
+def nvme_attrs(g: dict) -> list:
+    """Attributes of a group of NVMe commands (one controller, queue and op class)."""
+    out = [("kvtrace.nvme.ctrl", g["ctrl"]), ("kvtrace.nvme.qid", g["qid"]), ("kvtrace.nvme.opclass", g["opclass"]),
+           ("kvtrace.nvme.transport", g["transport"]), ("kvtrace.nvme.target", g["traddr"]),
+           ("kvtrace.nvme.samples", g["samples"]),
+           ("kvtrace.nvme.latency_ns_avg", g["latency_ns_sum"] / g["count"] if g["count"] else 0.0)]
+    if g["sq_occ_n"]:
+        out.append(("kvtrace.nvme.sq_occupancy_avg", g["sq_occ_sum"] / g["sq_occ_n"]))
     return out
 
 
@@ -163,6 +190,9 @@ CHUNK_ATTRS = [
     ("kvtrace.chunk.sched_ns", "sched_ns", "i"), ("kvtrace.chunk.bottleneck", "bottleneck", "s"),
     ("kvtrace.chunk.shared_file_bytes", "shared_file_bytes", "i"),
     ("kvtrace.chunk.shared_block_bytes", "shared_block_bytes", "i"), ("kvtrace.step.tokens", "step_tokens", "i"),
+    ("kvtrace.chunk.nvme_commands", "nvme_commands", "d"), ("kvtrace.chunk.nvme_bytes", "nvme_bytes", "d"),
+    ("kvtrace.chunk.nvme_latency_avg_ns", "nvme_latency_avg_ns", "d"),
+    ("kvtrace.chunk.nvme_latency_max_ns", "nvme_latency_max_ns", "i"),
     ("process.pid", "engine_pid", "i"),
 ]
 REQUEST_ATTRS = [
@@ -308,3 +338,4 @@ class _NoChunks:
         self.evicts, self.preempts = [], []
         self.chunks = pa.table({})
         self.transfers, self.io_groups = res.transfers, res.io_groups
+        self.nvme_groups = getattr(res, "nvme_groups", [])
