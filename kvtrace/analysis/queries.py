@@ -152,6 +152,12 @@ LAT_BUCKET = ("CASE WHEN {x} < 50000 THEN 50 WHEN {x} < 100000 THEN 100 WHEN {x}
               "WHEN {x} < 5000000 THEN 5000 WHEN {x} < 10000000 THEN 10000 WHEN {x} < 20000000 THEN 20000 "
               "WHEN {x} < 50000000 THEN 50000 WHEN {x} < 100000000 THEN 100000 ELSE 1000000 END")
 
+SLOW_CHUNKS = 10
+# the SLOW_CHUNKS slowest chunks (total time; ties by run, step, request, attempt), ranked from 1
+SLOW = f"""slow AS (SELECT * FROM (SELECT c.run, c.request, c.attempt, c.chunk_index, c.step, c.t_start_ns, c.t_end_ns,
+          c.total_ns, c.storage_ns, c.compute_ns, c.verdict, ROW_NUMBER() OVER (
+          ORDER BY c.total_ns DESC, c.run, c.step, c.request, c.attempt) AS rk FROM ctime c) t WHERE rk <= {SLOW_CHUNKS})"""
+
 FIGURES: dict[str, str] = {
     # ---- KV reuse, counted at first admission only ----
     "hit_overall": """SELECT COUNT(*) AS requests, COALESCE(SUM(prompt_len), 0) AS prompt_tokens,
@@ -244,6 +250,17 @@ FIGURES: dict[str, str] = {
                (SELECT COUNT(*) FROM slow) AS slow_steps, (SELECT SUM(t_end_ns - t_start_ns) FROM slow) AS slow_ns
         FROM alln a LEFT JOIN during d ON d.device = a.device AND d.name = a.name
         WHERE a.delta > 0 ORDER BY a.device, a.name""",
+    # ---- the slowest chunks with the NVMe commands and NIC counters of their step's window ----
+    "slow_chunks": f"""WITH {SLOW} SELECT rk, run, request, attempt, chunk_index, step, t_start_ns, t_end_ns, total_ns,
+        storage_ns, compute_ns, verdict FROM slow ORDER BY rk""",
+    "slow_nvme": f"""WITH {SLOW} SELECT s.rk, n.ctrl, n.qid, n.transport, SUM(COALESCE(NULLIF(n.weight, 0), 1)) AS commands,
+        SUM(n.bytes * COALESCE(NULLIF(n.weight, 0), 1)) AS bytes,
+        SUM(n.latency_ns * COALESCE(NULLIF(n.weight, 0), 1)) AS latency_sum_ns, MAX(n.latency_ns) AS latency_max_ns
+        FROM slow s JOIN nvme_cmd n ON n.ts_ns >= s.t_start_ns AND n.ts_ns - n.latency_ns <= s.t_end_ns
+        GROUP BY s.rk, n.ctrl, n.qid, n.transport ORDER BY s.rk, n.ctrl, n.qid, n.transport""",
+    "slow_nic": f"""WITH {SLOW} SELECT s.rk, n.device, n.name, SUM(n.delta) AS delta
+        FROM slow s JOIN nic_counters n ON n.ts_ns > s.t_start_ns AND n.ts_ns - n.interval_ns < s.t_end_ns
+        GROUP BY s.rk, n.device, n.name HAVING SUM(n.delta) <> 0 ORDER BY s.rk, n.device, n.name""",
     "lat_hist": f"""SELECT source, device, bucket, SUM(w) AS n FROM (
           SELECT 'block' AS source, disk AS device, {LAT_BUCKET.format(x='latency_ns')} AS bucket, COALESCE(NULLIF(weight, 0), 1) AS w FROM block_io
           WHERE op = 'R' AND (error = 0 OR error IS NULL)

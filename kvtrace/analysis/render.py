@@ -108,6 +108,24 @@ def terminal(rep: dict, console: Console | None = None, rows: int = 10) -> None:
         c.print(t)
         if len(files) > rows:
             c.print(f"  ({len(files) - rows} more directories of file reads in --json / --html)")
+    sc = [x for x in st.get("slow_chunks", []) if x["nvme"] or x["nic"]]
+    if sc:
+        t = Table(title="Slowest chunks: NVMe queues and NIC counters in their step")
+        for col in ("#", "request", "step", "total ms", "storage ms", "verdict", "NVMe queue", "cmds", "avg ms", "max ms",
+                    "NIC counters"):
+            t.add_column(col, justify="right")
+        for x in sc:
+            nics = ", ".join(f"{n['device']}/{n['name']} {num(n['delta'])}" for n in x["nic"][:4])
+            if len(x["nic"]) > 4:
+                nics += f" (+{len(x['nic']) - 4})"
+            qs = x["nvme"] or [None]
+            for k, q in enumerate(qs):
+                head = (str(x["rank"]), x["request"][:30], str(x["step"]), ms(x["total_ns"]), ms(x["storage_ns"]),
+                        x["verdict"]) if k == 0 else ("",) * 6
+                qcols = (f"{q['ctrl']} q{q['qid']} {q['transport']}", num(q["commands"]), ms(q["latency_avg_ns"]),
+                         ms(q["latency_max_ns"])) if q else ("-", "", "", "")
+                t.add_row(*head, *qcols, nics if k == 0 else "")
+        c.print(t)
     rr, pf = rep["reload_vs_recompute"], rep["prefetch"]
     c.print(f"reload vs recompute: reload {num(_us(rr['reload']['ns_per_token']))} µs/token over "
             f"{rr['reload']['tokens']:,} tokens, recompute {num(_us(rr['recompute']['ns_per_token']))} µs/token "
@@ -312,6 +330,12 @@ def to_html(rep: dict) -> str:
         table(sorted(tm["per_chunk"], key=lambda x: -x["total_ns"]), limit=30),
         "<h2>Storage</h2>", table(rep["storage"]["block_io"]), table(rep["storage"]["nvme"]), table(rep["storage"]["files"]),
         table(rep["storage"]["kv_transfers"]), table(rep["storage"]["nic_during_slow_chunks"]),
+        "<h3>Slowest chunks: NVMe queues and NIC counters in their step</h3>",
+        table([{**{k: x[k] for k in ("rank", "request", "step", "total_ns", "storage_ns", "verdict")},
+                "nvme": "; ".join(f"{q['ctrl']} q{q['qid']} {q['transport']}: {q['commands']} cmds, avg "
+                                  f"{ms(q['latency_avg_ns'])} ms, max {ms(q['latency_max_ns'])} ms" for q in x["nvme"]),
+                "nic": "; ".join(f"{n['device']}/{n['name']} {n['delta']}" for n in x["nic"])}
+               for x in rep["storage"].get("slow_chunks", [])]),
         "<h2>Reload versus recompute</h2>",
         table([rep["reload_vs_recompute"]["reload"] | {"recompute_ns_per_token": rep["reload_vs_recompute"]["recompute"]["ns_per_token"],
                                                         "speedup": rep["reload_vs_recompute"]["speedup"]}]),

@@ -228,6 +228,7 @@ def build(rows: dict[str, list[dict]], inp: load.Inputs) -> dict:
     rep["storage"] = {"block_io": dev_rows(rows["block_io"], "ios"), "nvme": dev_rows(rows["nvme"], "commands"),
                       "files": dev_rows(rows["file_reads"], "reads"), "kv_transfers": rows["kv_transfers"],
                       "nic_during_slow_chunks": rows["nic_slow"], "latency_histogram": rows["lat_hist"]}
+    rep["storage"]["slow_chunks"] = slow_chunks(rows)
 
     # ---- service ----
     win = rows["window"]
@@ -263,6 +264,21 @@ def build(rows: dict[str, list[dict]], inp: load.Inputs) -> dict:
     rep["timing"]["per_chunk"] = big["per_chunk"]
     rep["service"]["ttft_per_request"] = big["ttft_per_request"]
     return rep
+
+
+def slow_chunks(rows: dict[str, list[dict]]) -> list[dict]:
+    """The slowest chunks, each with the NVMe commands (per controller and queue: weighted count,
+    bytes, mean and max latency) and the NIC counter deltas of its step's window."""
+    nvme, nic = {}, {}
+    for r in rows["slow_nvme"]:
+        nvme.setdefault(r["rk"], []).append({
+            "ctrl": r["ctrl"], "qid": r["qid"], "transport": r["transport"], "commands": r["commands"],
+            "bytes": r["bytes"], "latency_avg_ns": _ratio(r["latency_sum_ns"] or 0, r["commands"] or 0),
+            "latency_max_ns": r["latency_max_ns"]})
+    for r in rows["slow_nic"]:
+        nic.setdefault(r["rk"], []).append({"device": r["device"], "name": r["name"], "delta": r["delta"]})
+    return [{**{k: v for k, v in c.items() if k != "rk"}, "rank": c["rk"], "nvme": nvme.get(c["rk"], []),
+             "nic": nic.get(c["rk"], [])} for c in rows["slow_chunks"]]
 
 
 def metrics_note(mrows: list[dict], reuse: dict) -> dict:
