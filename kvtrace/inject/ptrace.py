@@ -12,6 +12,16 @@ vector registers included, dead).  There it calls
 each returning to address 0 (caught as SIGSEGV), then puts the registers back with the
 instruction pointer on the `syscall` instruction and the syscall number in rax, so the
 interrupted system call simply runs again, and detaches.  Other threads never stop.
+
+Not every system call is a safe point: the thread may be inside the interpreter's GIL hand-over
+or inside malloc, in a state the injected call then waits on forever (seen on a vLLM EngineCore
+and on any GIL-contended interpreter: caught in the GIL's own wait, resumed through
+restart_syscall after the interrupt, PyGILState_Ensure waited for the GIL forever).  So a
+stop counts only if it is not a futex on a lock of libc, libpython or the executable (the GIL,
+its mutexes, malloc's arena locks live there; Python-level locks live on the heap), not a
+memory-mapping call (malloc holds its arena lock around them), not restart_syscall (the
+resumption of a timed wait that the interrupt broke, whose target is unknown) and not the
+hook's own marker write (made under the hook's lock).  Waits for the target are bounded by the timeout.
 """
 from __future__ import annotations
 
@@ -33,6 +43,10 @@ PTRACE_SEIZE, PTRACE_INTERRUPT = 0x4206, 0x4207
 PTRACE_O_TRACESYSGOOD = 1
 WALL = 0x40000000
 ENOSYS = 38
+SYS_WRITE, SYS_FUTEX, SYS_FUTEX_WAITV = 1, 202, 449
+SYS_RESTART = 219  # restart_syscall: resumes a timed wait our interrupt broke, which may be the GIL's
+SYS_MEMORY = {9, 10, 11, 12, 25, 28}  # mmap mprotect munmap brk mremap madvise: malloc may hold a lock
+MARKER_FD = -4242 & 0xFFFFFFFF        # the hook's marker write (kvtrace/hook/transport.py), under its lock
 FIELDS = ("r15 r14 r13 r12 rbp rbx r11 r10 r9 r8 rax rcx rdx rsi rdi orig_rax rip cs eflags rsp ss "
           "fs_base gs_base ds es fs gs").split()
 
@@ -60,6 +74,7 @@ class Tracee:
     def __init__(self, pid: int):
         self.pid = pid
         self.pending: list[int] = []  # signals that arrived during our calls, re-sent at detach
+        self._areas: list[tuple[int, int]] | None = None
         try:
             _ptrace(PTRACE_SEIZE, pid, None, ctypes.c_void_p(PTRACE_O_TRACESYSGOOD))
         except OSError as e:
@@ -70,12 +85,53 @@ class Tracee:
         _ptrace(PTRACE_INTERRUPT, pid)
         self._wait()
 
-    def _wait(self) -> int:
-        _, status = os.waitpid(self.pid, WALL)
+    def _wait(self, deadline: float | None = None) -> int | None:
+        """The next stop; None when deadline (monotonic s) passes first."""
+        while True:
+            pid, status = os.waitpid(self.pid, WALL | (os.WNOHANG if deadline is not None else 0))
+            if pid:
+                break
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.001)
         if os.WIFEXITED(status) or os.WIFSIGNALED(status):
             self.attached = False
             raise TargetError(f"process {self.pid} exited during injection")
         return status
+
+    def _lock_areas(self) -> list[tuple[int, int]]:
+        """Writable data of libc, libpython and the executable, each with the anonymous mapping
+        right after it (.bss): where the GIL, the interpreter's mutexes and malloc's arena locks are."""
+        try:
+            exe = os.readlink(f"/proc/{self.pid}/exe")
+            lines = open(f"/proc/{self.pid}/maps").read().splitlines()
+        except OSError:
+            return []
+        areas, prev = [], None
+        for line in lines:
+            parts = line.split(None, 5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            path = parts[5].strip() if len(parts) > 5 else ""
+            name = path.rsplit("/", 1)[-1]
+            ours = path == exe or name.startswith("libc.so") or name.startswith("libc-") or name.startswith("libpython")
+            if "w" in parts[1] and (ours or not path and prev is not None and prev[1] == lo):
+                areas.append((lo, hi))
+                prev = (lo, hi)
+            else:
+                prev = None
+        return areas
+
+    def safe_point(self, r: Regs) -> bool:
+        nr = r.orig_rax
+        if nr in SYS_MEMORY or nr == SYS_RESTART:
+            return False
+        if nr == SYS_WRITE and r.rdi & 0xFFFFFFFF == MARKER_FD:
+            return False
+        if nr in (SYS_FUTEX, SYS_FUTEX_WAITV):
+            if self._areas is None:
+                self._areas = self._lock_areas()
+            return not any(lo <= r.rdi < hi for lo, hi in self._areas)
+        return True
 
     def regs(self) -> Regs:
         r = Regs()
@@ -111,7 +167,7 @@ class Tracee:
                     break
                 if time.monotonic() > deadline:
                     _ptrace(PTRACE_INTERRUPT, self.pid)
-                    self._wait()
+                    self._wait(time.monotonic() + 5)
                     raise TargetError(f"process {self.pid} made no system call within {timeout:.0f}s (no safe point): injection abandoned, target untouched")
                 time.sleep(0.001)
             if os.WIFEXITED(status) or os.WIFSIGNALED(status):
@@ -121,7 +177,9 @@ class Tracee:
             if stopsig == signal.SIGTRAP | 0x80:
                 r = self.regs()
                 if r.rax == (1 << 64) - ENOSYS and self.read(r.rip - 2, 2) == b"\x0f\x05":
-                    return r  # syscall-enter-stop right after a `syscall` instruction
+                    if self.safe_point(r):
+                        return r  # syscall-enter-stop right after a `syscall` instruction
+                    continue      # inside a lock the injected call may need: on to the next one
                 continue  # syscall-exit-stop: go on to the next entry
             if status >> 16:  # PTRACE_EVENT_STOP and friends
                 continue
@@ -140,7 +198,12 @@ class Tracee:
         deadline = time.monotonic() + timeout
         while True:
             _ptrace(PTRACE_CONT, self.pid, None, ctypes.c_void_p(sig))
-            status = self._wait()
+            status = self._wait(deadline)
+            if status is None:  # stuck in the call: stop the thread, so run_code can put it back
+                _ptrace(PTRACE_INTERRUPT, self.pid)
+                if self._wait(time.monotonic() + 5) is None:
+                    self.attached = False  # cannot stop it again: leave it to the kernel at our exit
+                raise TargetError(f"the injected call in {self.pid} did not return within {timeout:.0f}s: abandoned")
             sig = os.WSTOPSIG(status)
             if sig == signal.SIGSEGV and self.regs().rip == 0:
                 return self.regs().rax

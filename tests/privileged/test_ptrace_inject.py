@@ -106,3 +106,36 @@ def test_another_tracer_means_denied_and_untouched():
     finally:
         tracer.kill()
         p.kill()
+
+
+CONTENDED = """
+import os, threading, time
+def spin():
+    x = 0
+    while True:
+        x += 1
+        if x % 100000 == 0:
+            os.sched_yield()
+for _ in range(2):
+    threading.Thread(target=spin, daemon=True).start()
+n = 0
+while True:
+    n += sum(range(200))
+    if n % 7 == 0:
+        time.sleep(0.0005)
+"""
+
+
+def test_repeated_injection_into_a_gil_contended_interpreter(tmp_path):
+    """The main thread waits for the GIL most of the time.  Caught in that wait (a futex of the
+    GIL, or restart_syscall resuming it after the interrupt), the injected PyGILState_Ensure
+    waited forever and so did the injector; those are not safe points, and every call returns."""
+    out = tmp_path / "ran"
+    p = _start(CONTENDED)
+    try:
+        for i in range(20):
+            assert ptrace.run_code(p.pid, f"open({str(out)!r}, 'a').write('{i}\\n')", timeout=10) == 0
+        assert out.read_text().split() == [str(i) for i in range(20)]
+        _untouched(p)
+    finally:
+        p.kill()
