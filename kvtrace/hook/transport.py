@@ -91,24 +91,34 @@ class Transport:
         self.errors += 1
         self.last_error = f"{type(e).__name__}: {e}"[:200]
 
-    def flush(self) -> None:
-        """Send buffered records as frames of at most MAX_FRAME bytes."""
-        if not self.buf:
+    def flush(self, recs: list[bytes] | None = None) -> None:
+        """Send the encoded records ``recs`` (the caller counted them), then what emit()
+        buffered, as frames of at most MAX_FRAME bytes: usually one write."""
+        if self.buf:
+            recs = recs + self.buf if recs else self.buf
+            self.buf, self.size = [], 0
+        if not recs:
             return
-        frame, frames = bytearray(MAGIC), []
-        for rec in self.buf:
-            if len(frame) + len(rec) > MAX_FRAME and len(frame) > len(MAGIC):
-                frames.append(bytes(frame))
-                frame = bytearray(MAGIC)
-            if len(rec) + len(MAGIC) > MAX_FRAME:
-                self.dropped += 1
-                continue
-            frame += rec
-        if len(frame) > len(MAGIC):
-            frames.append(bytes(frame))
-        self.buf, self.size = [], 0
+        head = len(MAGIC)
+        if head + sum(map(len, recs)) <= MAX_FRAME:
+            frames = [MAGIC + b"".join(recs)]
+        else:
+            frames, part, size = [], [MAGIC], head
+            for rec in recs:
+                n = len(rec)
+                if size + n > MAX_FRAME:
+                    if n + head > MAX_FRAME:
+                        self.dropped += 1
+                        continue
+                    frames.append(b"".join(part))
+                    part, size = [MAGIC], head
+                part.append(rec)
+                size += n
+            if size > head:
+                frames.append(b"".join(part))
+        write, fd = os.write, self.mark_fd
         for f in frames:
             try:
-                os.write(self.mark_fd, f)
+                write(fd, f)
             except OSError:
                 pass  # EBADF is the expected answer: the BPF program already copied the frame

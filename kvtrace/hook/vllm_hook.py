@@ -31,11 +31,13 @@ import time
 
 try:
     from kvtrace.hook.transport import Transport, agent_pids
+    from kvtrace.hook.wire import CODEC
 except ImportError:  # imported from a path where kvtrace is not installed: use the sibling files
     _root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, _root)
     try:
         from kvtrace.hook.transport import Transport, agent_pids
+        from kvtrace.hook.wire import CODEC
     finally:
         sys.path.remove(_root)
 
@@ -115,19 +117,38 @@ def _enqueue(rec: tuple) -> None:
         T.dropped += 1
 
 
+_ENCODERS = CODEC.encoders  # record name -> encoder taking the queued tuple (name first)
+
+
 def _flush(now: int) -> None:
-    """Encode queued records into the transport and send them (step end; any thread)."""
+    """Encode queued records and send them (step end; any thread): one encoder call per
+    record, usually one marker write per flush."""
     with _LOCK:
         if not T.enabled:
             _Q.clear()
             return
-        popleft, emit = _Q.popleft, T.emit
-        while _Q:
-            emit(*popleft())
+        recs = []
+        if _Q:
+            popleft, append, enc = _Q.popleft, recs.append, _ENCODERS
+            size, limit = 0, T.max_buffer
+            while _Q:
+                rec = popleft()
+                try:
+                    b = enc[rec[0]](*rec)
+                except Exception as e:  # a bad value must never reach vLLM
+                    T.error(e)
+                    continue
+                size += len(b)
+                if size > limit:
+                    size -= len(b)
+                    T.dropped += 1
+                    continue
+                append(b)
+            T.emitted += len(recs)
         if now - _last["stats"] >= STATS_EVERY_NS:
             _last["stats"] = now
             _emit_stats(now)
-        T.flush()
+        T.flush(recs)
         _last["flush"] = now
 
 
@@ -200,8 +221,9 @@ def record_transfer(direction, request_id, blocks, nbytes, t_start_ns, t_end_ns,
 
 
 def _hash64(key: bytes) -> int:
-    """BlockHashWithGroupId (hash bytes + 4-byte big-endian group) -> the KV-event int."""
-    return int.from_bytes(key[:-4], "big") & M64
+    """BlockHashWithGroupId (hash bytes + 4-byte big-endian group) -> the KV-event int:
+    ``int.from_bytes(key[:-4], "big") & M64``, i.e. the hash part's last 8 bytes."""
+    return int.from_bytes(key[-12:-4], "big")
 
 
 def _group(key: bytes) -> int:
@@ -266,8 +288,11 @@ def _leave_if_owner_gone() -> None:
 
 
 def _wrap_schedule(orig):
+    monotonic_ns = time.monotonic_ns
+
     def schedule(self, *args, **kwargs):
-        if not T.refresh():
+        # the flag is re-read at most once per second; otherwise one clock read and two tests
+        if not (T.refresh() if monotonic_ns() >= T.next_check else T.enabled):
             if S.on:
                 _engine_off()
             return orig(self, *args, **kwargs)
@@ -369,7 +394,8 @@ def _prompt_blocks(sched, step: int, rid: str, req) -> None:
     try:
         bs = int(getattr(sched, "hash_block_size", 0) or sched.block_size)
         n_prompt = req.num_prompt_tokens
-        hashes = [int.from_bytes(h, "big") & M64 for h in req.block_hashes[:n_prompt // bs]]
+        from_bytes = int.from_bytes   # & M64 of the big-endian int: its last 8 bytes
+        hashes = [from_bytes(h[-8:], "big") for h in req.block_hashes[:n_prompt // bs]]
         max_out = min(int(getattr(req, "max_tokens", 0) or 0), 0xFFFFFFFF)
         for first in range(0, max(len(hashes), 1), PROMPT_PIECE):
             _enqueue(("prompt_blocks", step, rid, bs, n_prompt, max_out, len(hashes), first,
@@ -417,7 +443,7 @@ def _wrap_preempt(orig):
     return _preempt_request
 
 
-_ALLOC_SIG = None  # inspect.Signature of the original allocate_slots (for positional calls)
+_ALLOC_NAMES: tuple = ()  # allocate_slots' parameters after (self, request, num_new_tokens)
 
 
 def _wrap_allocate_slots(orig):
@@ -444,7 +470,8 @@ def _wrap_allocate_slots(orig):
 
 def _note_admission_alloc(mgr, request, num_new_tokens, args, kwargs) -> None:
     if args:
-        kw = _ALLOC_SIG.bind(mgr, request, num_new_tokens, *args, **kwargs).arguments
+        kw = dict(zip(_ALLOC_NAMES, args))
+        kw.update(kwargs)
     else:
         kw = kwargs
     local = int(kw.get("num_new_computed_tokens", 0) or 0)
@@ -488,9 +515,10 @@ def _wrap_maybe_evict(orig):
 def _note_evict(pool, bid: int, key: bytes, extra) -> None:
     now = time.monotonic_ns()
     medium = str(getattr(pool, "medium", "") or "")
+    step, req, from_bytes = S.step, S.cur_req, int.from_bytes
     for k in (key, *extra) if extra else (key,):
         S.evicted += 1
-        _enqueue(("evict", S.step, now, _hash64(k), _group(k), bid, medium, S.cur_req))
+        _enqueue(("evict", step, now, from_bytes(k[-12:-4], "big"), from_bytes(k[-4:], "big"), bid, medium, req))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -769,7 +797,7 @@ def install(roles: list[str] | None = None, live: bool = False) -> bool:
     signatures differ from what the hook reads leaves everything untouched and logs one
     message saying what differs.
     """
-    global _ALLOC_SIG
+    global _ALLOC_NAMES
     try:
         roles = detect_roles() if roles is None else list(roles)
         if live and "worker" in roles and _live_connector() is None:
@@ -804,7 +832,9 @@ def install(roles: list[str] | None = None, live: bool = False) -> bool:
         if "engine" in roles:
             from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-            _ALLOC_SIG = inspect.signature(_unbox(KVCacheManager.__dict__["allocate_slots"]))
+            params = inspect.signature(_unbox(KVCacheManager.__dict__["allocate_slots"])).parameters.values()
+            positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            _ALLOC_NAMES = tuple(positional[3:])
         for cls, attr, wrap in plan:
             _patch(cls, attr, wrap)
         if "worker" in roles:

@@ -9,7 +9,9 @@ Prompt token ids are never encoded: prompts appear only as block hashes.
 """
 from __future__ import annotations
 
+import array
 import struct
+import sys
 
 MAGIC = b"KVT1"
 _HDR = struct.Struct("<HH")
@@ -79,46 +81,81 @@ RECORDS: dict[int, tuple[str, list[tuple[str, str]]]] = {
 VARIABLE = {"s": "s", "U": "U"}
 
 
+def _u64s(values) -> bytes:
+    """A list of u64 as little-endian bytes (OverflowError for a value out of range)."""
+    if _LITTLE:
+        return array.array("Q", values).tobytes()
+    return struct.pack(f"<{len(values)}Q", *values)
+
+
+def _str_bytes(value) -> bytes:
+    return str(value).encode("utf-8", "replace")
+
+
+_LITTLE = sys.byteorder == "little" and array.array("Q").itemsize == 8
+
+
 class Codec:
-    """Precompiled encoders/decoders for RECORDS (strings split the struct into runs)."""
+    """Precompiled encoders/decoders for RECORDS.
+
+    Each record type gets one generated encoder: its variable-size fields are encoded first, then
+    the header, every run of fixed-size fields and each variable field's length prefix go out
+    through one precompiled ``struct.Struct`` per run, joined with the variable bytes.  The
+    encoders take the record name first, so a queued ``(name, *values)`` tuple is encoded with
+    ``encoders[rec[0]](*rec)``.
+    """
 
     def __init__(self, records=RECORDS):
         self.records = records
         self.by_name = {name: (tid, fields) for tid, (name, fields) in records.items()}
-        self._plans = {name: (tid, self._plan(fields)) for tid, (name, fields) in records.items()}
+        self.encoders = {name: self._compile(tid, name, fields) for tid, (name, fields) in records.items()}
 
     @staticmethod
-    def _plan(fields) -> list[tuple[int, int, struct.Struct | None]]:
-        """(first value, value count, Struct) per run of fixed-size fields; a str names a variable-size code."""
-        plan, i = [], 0
-        while i < len(fields):
-            if fields[i][1] in VARIABLE:
-                plan.append((i, 1, VARIABLE[fields[i][1]]))
-                i += 1
-                continue
-            j = i
-            while j < len(fields) and fields[j][1] not in VARIABLE:
-                j += 1
-            plan.append((i, j - i, struct.Struct("<" + "".join(code for _, code in fields[i:j]))))
-            i = j
-        return plan
+    def _compile(tid: int, name: str, fields):
+        """The encoder of one record type, as Python source compiled once."""
+        params = [f"v{i}" for i in range(len(fields))]
+        pre, structs, pieces = [], {}, []     # lines before the return; Struct constants; return pieces
+        fmt, args, fixed = "<HH", [str(tid), "n"], 0
+        for i, (_, code) in enumerate(fields):
+            v = params[i]
+            if code in VARIABLE:
+                if code == "s":
+                    # str.encode() without arguments takes CPython's fast path; anything else
+                    # (not a str, lone surrogates) goes through str() and the 'replace' handler
+                    pre += [f"try:", f"    b{i} = {v}.encode()", f"except Exception:",
+                            f"    b{i} = _str_bytes({v})", f"if len(b{i}) > 1024:", f"    b{i} = b{i}[:1024]"]
+                    count = f"len(b{i})"
+                    pre.append(f"n += {count}")
+                else:  # "U": u16 count + little-endian u64s
+                    pre.append(f"b{i} = _u64s({v})")
+                    count = f"len({v})"
+                    pre.append(f"n += len(b{i})")
+                fmt += "H"
+                args.append(count)
+                fixed += 2
+                key = f"_S{len(structs)}"
+                structs[key] = struct.Struct(fmt)
+                pieces.append(f"{key}.pack({', '.join(args)})")
+                pieces.append(f"b{i}")
+                fmt, args = "<", []
+            else:
+                fmt += code
+                args.append(v)
+                fixed += struct.calcsize("<" + code)
+        if args:
+            key = f"_S{len(structs)}"
+            structs[key] = struct.Struct(fmt)
+            pieces.append(f"{key}.pack({', '.join(args)})")
+        body = [f"n = {fixed}"] + pre + [f"return {' + '.join(pieces)}"]
+        src = f"def encode_{name}(_name, {', '.join(params)}):\n" + "".join(f"    {line}\n" for line in body)
+        env = {"_u64s": _u64s, "_str_bytes": _str_bytes, **structs}
+        exec(compile(src, f"<kvtrace.hook.wire {name}>", "exec"), env)
+        fn = env[f"encode_{name}"]
+        fn.source = src
+        return fn
 
     def encode(self, name: str, *values) -> bytes:
-        tid, plan = self._plans[name]
-        parts = []
-        for first, count, st in plan:
-            if st == "s":
-                b = str(values[first]).encode("utf-8", "replace")[:1024]
-                parts.append(_U16.pack(len(b)))
-                parts.append(b)
-            elif st == "U":
-                v = values[first]
-                parts.append(_U16.pack(len(v)))
-                parts.append(struct.pack(f"<{len(v)}Q", *v))
-            else:
-                parts.append(st.pack(*values[first:first + count]))
-        body = b"".join(parts)
-        return _HDR.pack(tid, len(body)) + body
+        return self.encoders[name](name, *values)
 
     def decode_frame(self, frame: bytes) -> list[tuple[str, dict]]:
         """Records of one frame; an unknown type is skipped by its length, a short one ends the frame."""
