@@ -20,42 +20,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 from pathlib import Path
 
-import psutil
+from vllmbench import PY, ROOT, Agent, free_port, kvtrace_importable_env, one_round, requests, spread  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from kvtrace.vllm import workload  # noqa: E402
 from kvtrace.vllm.server import VllmServer, vllm_python  # noqa: E402
 
-PY = sys.executable
-PORTS = range(8600, 8700)
 SETTLE_S = 3.0
-
-
-def free_port(avoid=()) -> int:
-    import socket
-
-    for p in PORTS:
-        if p in avoid:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p))
-            except OSError:
-                continue
-            return p
-    raise RuntimeError("no free port in 8600-8699")
 
 
 def start_server(work: Path) -> VllmServer:
@@ -69,83 +45,8 @@ def start_server(work: Path) -> VllmServer:
             "--num-gpu-blocks-override", "122", "--max-model-len", "2048", "--enable-prompt-tokens-details",
             "--kv-events-config", json.dumps(kv_events), "--kv-transfer-config", json.dumps(connector)]
     # no plugin: the hook gets in by live injection on each attach, and leaves on each detach
-    return VllmServer(args=args, port=port, env={"VLLM_PLUGINS": "", "VLLM_SERVER_DEV_MODE": "1"}, workdir=work).start()
-
-
-def reset_cache(server: VllmServer) -> None:
-    req = urllib.request.Request(f"{server.url}/reset_prefix_cache", method="POST", data=b"")
-    urllib.request.urlopen(req, timeout=60).read()
-
-
-def requests(short: bool) -> list[workload.Request]:
-    if short:
-        return workload.shared_prefix(seed=5, groups=2, per_group=3, prefix_len=512, suffix_len=256, fillers=1,
-                                      filler_len=800, max_tokens=48)
-    return workload.shared_prefix(seed=5, groups=4, per_group=4, prefix_len=512, suffix_len=384, fillers=2,
-                                  filler_len=1000, max_tokens=64)
-
-
-class Agent:
-    """`kvtrace attach --port` with OTLP to a local receiver; RSS and CPU sampled on demand."""
-
-    def __init__(self, server: VllmServer, out: Path, otlp_url: str | None):
-        cmd = [PY, "-m", "kvtrace", "attach", "--quiet", "--port", str(server.port), "--out", str(out)]
-        if otlp_url:
-            cmd += ["--otlp", otlp_url]
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-        self.lines = []
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            if "vLLM hook" in line and "engine" in line:
-                break
-        else:
-            raise RuntimeError("kvtrace attach exited: " + "".join(self.lines))
-        self.ps = psutil.Process(self.proc.pid)
-        self.rss: list[int] = []
-        self._stop = threading.Event()
-        threading.Thread(target=self._drain, daemon=True).start()
-
-    def _drain(self) -> None:
-        for line in self.proc.stderr:
-            self.lines.append(line)
-
-    def sample(self) -> None:
-        def run():
-            while not self._stop.is_set():
-                try:
-                    self.rss.append(self.ps.memory_info().rss)
-                except psutil.Error:
-                    return
-                self._stop.wait(0.2)
-
-        self._stop.clear()
-        threading.Thread(target=run, daemon=True).start()
-
-    def cpu(self) -> float:
-        t = self.ps.cpu_times()
-        return t.user + t.system
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.proc.send_signal(signal.SIGINT)
-        self.proc.wait(300)
-
-
-def one_round(server: VllmServer, reqs, concurrency: int) -> dict:
-    reset_cache(server)
-    t0 = time.monotonic()
-    results = workload.run(server.url, server.model, reqs, concurrency=concurrency)
-    wall = time.monotonic() - t0
-    errors = [r.error for r in results if r.error]
-    tokens = sum(r.completion_tokens for r in results)
-    ttft = sorted(r.ttft_s for r in results if r.t_first_ns)
-    return {"wall_s": round(wall, 3), "tokens": tokens, "tokens_per_s": tokens / wall, "ttft_p50_s": statistics.median(ttft),
-            "errors": len(errors), "cached_tokens": sum(r.cached_tokens for r in results)}
-
-
-def spread(xs: list[float]) -> dict:
-    return {"mean": round(statistics.fmean(xs), 4), "min": round(min(xs), 4), "max": round(max(xs), 4),
-            "stdev": round(statistics.stdev(xs), 4) if len(xs) > 1 else 0.0}
+    env = {"VLLM_PLUGINS": "", "VLLM_SERVER_DEV_MODE": "1", **kvtrace_importable_env()}  # the file connector
+    return VllmServer(args=args, port=port, env=env, workdir=work).start()
 
 
 def vllm_ab(short: bool) -> dict:

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHES = ["capacity", "correlate", "analysis", "overhead", "parquet"]
+BENCHES = ["capacity", "correlate", "analysis", "overhead", "attach", "parquet"]
 
 
 def machine() -> str:
@@ -62,6 +62,8 @@ def markdown(results: dict) -> str:
                   "(target 1M/s)"]
     if "overhead" in results:
         lines += overhead_markdown(results["overhead"])
+    if "attach" in results:
+        lines += attach_markdown(results["attach"])
     if "parquet" in results:
         lines += parquet_markdown(results["parquet"])
     return "\n".join(lines) + "\n"
@@ -92,6 +94,56 @@ def overhead_markdown(o: dict) -> list[str]:
         f"{h['rounds']} rounds, median of per-round differences; step without hook {h['median_step_us']['none']} µs): "
         + "; ".join(f"{m} {c} µs (quartiles {q[m][0]}..{q[m][2]})" for m, c in h["hook_cost_us"].items())
         + f"; {h['steps_recorded']:,} step records captured while attached",
+    ]
+    return out
+
+
+def attach_markdown(a: dict) -> list[str]:
+    out = ["", "## Live attach to a running vLLM server (bench/attach.py)", ""]
+    if "skipped" in a:
+        return out + [f"- skipped: {a['skipped']}"]
+    s, n = a["summary"], len(a["trials"])
+    fails = a.get("failures") or []
+    if fails:
+        out += [f"- **failed: {len(fails)} of {a['attaches_with_injection']} attaches that inject** (the server was "
+                "restarted and the run went on): " + "; ".join(f"{x['where']}: {x['error'][:160]}" for x in fails)]
+    if s is None:
+        return out + ["- no attach trial completed"]
+
+    def f(x, unit=" ms", nd=0):
+        if x is None:
+            return "n/a"
+        v = f"{x['mean']:,.{nd}f}{unit}"
+        return v if n == 1 else f"{v} (min {x['min']:,.{nd}f}, max {x['max']:,.{nd}f})"
+
+    sp = s["split_ms"]
+    out += [
+        f"- `kvtrace attach --port` to the first `chunk` record, while 2 clients stream requests ({n} trial"
+        f"{'s' if n > 1 else ''}, mean): **{f(s['attach_to_first_chunk_ms'])}**; of which start-up and imports "
+        f"{f(sp['start_and_imports'])}, discovery {f(sp['discovery'])}, BPF build and load {f(sp['bpf_build_and_load'])}, "
+        f"other set-up {f(sp['other_setup'])}, injection into EngineCore {f(sp['injection_engine'])} and Worker "
+        f"{f(sp['injection_workers'])}; the first `step` record {f(sp['first_step_after_engine_injected'])} after the engine's "
+        f"injection, the first chunk {f(sp['first_chunk_after_injection'])} after the Worker's (the next prefill of the stream)",
+        f"- pause the server sees: longest gap between streamed tokens across the injection {f(s['injection_max_gap_ms'], nd=1)}"
+        f" against a median gap of {f(s['baseline_median_gap_ms'], nd=1)} before the attach "
+        f"({f(s['injection_max_over_median'], unit='×', nd=1)}); across the removal at detach {f(s['removal_max_gap_ms'], nd=1)}; "
+        f"hook's step records: median step gap {f(s['hook_median_step_gap_ms'], nd=1)}, longest across the Worker's "
+        f"injection {f(s['hook_worker_injection_max_step_gap_ms'], nd=1)}"
+        + (f"; load average {f(s['load_average'], unit='', nd=1)}" if s.get("load_average") else ""),
+    ]
+    t = a["throughput"]
+    r = t["injected_over_plugin"]
+    if r is None:
+        return out + ["- injected hook against plugin hook: no complete pair of rounds"]
+    steps = {m: [x["steps_recorded"] for x in t["rounds"] if x["mode"] == m and not x.get("failed")] for m in "IP"}
+    out += [
+        f"- injected hook against plugin hook, {t['complete_pairs']} pair{'s' if t['complete_pairs'] > 1 else ''} of rounds interleaved "
+        f"(the shared-prefix round of bench/overhead.py, {t['requests']} requests at concurrency {t['concurrency']}, "
+        f"an agent attached in both): tokens/s injected/plugin **{r['mean']:.3f}** (median {r.get('median', r['mean']):.3f}, "
+        f"min {r['min']:.3f}, max {r['max']:.3f}, "
+        f"stdev {r['stdev']:.3f}); injected {t['tokens_per_s']['injected']:,} and plugin {t['tokens_per_s']['plugin']:,} "
+        f"tokens/s on average; step records per round {steps['I']} and {steps['P']}; failed requests {t['errors']}; "
+        f"load average {t['load_average']:.1f}",
     ]
     return out
 

@@ -5,7 +5,7 @@ import sys
 
 import click
 
-from kvtrace import __version__
+from kvtrace import __version__, phases
 from kvtrace.errors import KvtraceError
 
 
@@ -27,6 +27,7 @@ def _register() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    phases.mark("main")
     _register()
     try:
         rc = cli.main(args=argv, prog_name="kvtrace", standalone_mode=False)

@@ -11,6 +11,7 @@ import os
 import platform
 import threading
 
+from kvtrace import phases
 from kvtrace.capture import events
 from kvtrace.capture.program import Plan
 from kvtrace.capture.ringbuf import RingReader
@@ -77,10 +78,12 @@ class Source:
         build = f"/lib/modules/{platform.release()}/build"
         if not os.environ.get("BCC_KERNEL_SOURCE") and not os.path.exists(build):
             raise CaptureError(f"no kernel headers at {build}: run scripts/setup-host (or set BCC_KERNEL_SOURCE)")
+        phases.mark("bpf_start")
         try:
             self.bpf = bpf_cls(text=plan.text, cflags=plan.cflags)
         except Exception as e:
             raise CaptureError(f"the BPF program did not compile or load ({e}); run `kvtrace doctor`") from None
+        phases.mark("bpf_loaded")
         self.released_bytes = release_compiler_memory()
         self.pending: dict[int, list[bytes]] = {k: [] for k in range(events.NKINDS)}
         self.count = 0
@@ -103,6 +106,7 @@ class Source:
         leave the ring unread long enough to fill it."""
         self._thread = threading.Thread(target=self._run, name="kvtrace-ring", daemon=True)
         self._thread.start()
+        phases.mark("capture_start")
 
     def _run(self) -> None:
         while not self._stopping.is_set():

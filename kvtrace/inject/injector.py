@@ -9,6 +9,7 @@ import time
 import uuid
 from pathlib import Path
 
+from kvtrace import phases
 from kvtrace.errors import TargetError
 from kvtrace.inject import loader, ptrace, stage
 
@@ -72,6 +73,10 @@ def _remote_exec(pid: int, inner_path: str, timeout: float) -> None:
 
 def hook(pid: int, action: str = "install", timeout: float = 10.0) -> dict:
     """Install or uninstall the vLLM hook in pid; returns the loader's report."""
-    inner_dir, _ = stage.stage(pid)
-    code = loader.render(inner_dir, "__RESULT__", action, owner=os.getpid()).replace('"__RESULT__"', "RESULT_PATH")
-    return run(pid, code, timeout)
+    phases.mark("inject_start", action, pid)
+    try:
+        inner_dir, _ = stage.stage(pid)
+        code = loader.render(inner_dir, "__RESULT__", action, owner=os.getpid()).replace('"__RESULT__"', "RESULT_PATH")
+        return run(pid, code, timeout)
+    finally:
+        phases.mark("inject_end", action, pid)

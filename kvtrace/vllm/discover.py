@@ -21,6 +21,8 @@ from pathlib import Path
 
 import psutil
 
+from kvtrace import phases
+
 PLUGIN_GROUP = "vllm.general_plugins"
 PLUGIN_NAME = "kvtrace"
 DEFAULT_PORT = 8000
@@ -513,6 +515,7 @@ def describe(proc: psutil.Process) -> VllmServerInfo | None:
 
 def discover() -> list[VllmServerInfo]:
     """Every vLLM server on this host (in any container whose /proc is visible), by API-server pid."""
+    phases.mark("discover_start")
     found = []
     me = os.getpid()
     for proc in psutil.process_iter():
@@ -524,4 +527,5 @@ def discover() -> list[VllmServerInfo]:
     # A spawned API-server child (VLLM::APIServer_<i>) keeps no vllm argv, so no duplicates
     # arise there; but a `vllm serve` started by another vllm process would: keep the outermost.
     inner = {p for s in found for p in s.api_pids[1:] + s.engine_pids + s.worker_pids + s.other_pids}
+    phases.mark("discover_end")
     return sorted((s for s in found if s.pid not in inner), key=lambda s: s.pid)

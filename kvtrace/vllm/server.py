@@ -78,8 +78,10 @@ class VllmServer:
         # VLLM_CPU_KVCACHE_SPACE (whole GiB) keeps the CPU worker from reserving a fraction of all
         # memory at start; it also overrides --kv-cache-memory-bytes, so size small caches with
         # --num-gpu-blocks-override.  Callers may override it through env.
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **self.env}
+        # The agent's PYTHONPATH is not the server's; a caller may still give one through env.
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
         env.pop("PYTHONPATH", None)
+        env.update(self.env)
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                      cwd=self.workdir, start_new_session=True)

@@ -36,6 +36,7 @@ class Result:
     t_send_ns: int = 0  # CLOCK_MONOTONIC, the clock of the capture
     t_first_ns: int = 0
     t_done_ns: int = 0
+    t_tokens_ns: list[int] = field(default_factory=list)  # arrival of each streamed message with token ids
     error: str = ""
 
     @property
@@ -88,8 +89,9 @@ def send(url: str, model: str, req: Request, timeout: float = 300.0) -> Result:
             msg = json.loads(line[6:])
             for ch in msg.get("choices") or []:
                 if ch.get("token_ids"):
-                    if not res.t_first_ns:
-                        res.t_first_ns = time.monotonic_ns()
+                    now = time.monotonic_ns()
+                    res.t_first_ns = res.t_first_ns or now
+                    res.t_tokens_ns.append(now)
                     res.token_ids.extend(ch["token_ids"])
             usage = msg.get("usage")
             if usage:
