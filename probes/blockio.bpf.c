@@ -6,6 +6,12 @@
  * emitted at block_rq_complete with queue and device latency.  Partial completions emit
  * one event per completed part and re-key the remainder.  Each part is also counted in the
  * aggregation maps (kvtrace.h) per (pid, device, op) before the raw event is sampled.
+ *
+ * The request's size is taken at block_rq_issue (bios merged into it after it started are
+ * included).  Before 6.5 the bio is remembered where it was queued: a bio remapped to another
+ * device before it becomes a request (a native-multipath head to its path, dm) is followed
+ * through block_bio_remap, and the record of a bio merged into an earlier request is dropped
+ * at block_bio_backmerge (the request's own record carries it).
  */
 
 #include "kvtrace.h"
@@ -24,7 +30,7 @@ struct kv_block_start {
     u32 tgid;
     u32 tid;
     u32 bytes;
-    u32 pad;
+    u32 from_dev;     /* the device the bio was queued on, when block_bio_remap moved it (else 0) */
     char rwbs[8];
     char comm[16];
 };
@@ -74,6 +80,52 @@ TRACEPOINT_PROBE(block, block_bio_queue)
 {
     return kv_block_remember(args->dev, args->sector, args->nr_sector << 9, args->rwbs);
 }
+
+#ifdef KV_HAVE_BIO_REMAP
+/* dev a traced bio was remapped to -> the dev it came from: user space names a hidden
+ * multipath path disk (a dev number but no /sys/dev/block link on 6.1) by its head. */
+BPF_HASH(block_remaps, u32, u32, 1024);
+
+/* A bio moved to another device before it became a request: a native-multipath head's bio
+ * to the path disk, dm to the device below.  Its submitter goes with it.
+ * (A partition remap comes before block_bio_queue, so there is nothing to carry.) */
+TRACEPOINT_PROBE(block, block_bio_remap)
+{
+    struct kv_block_key from = {};
+    from.dev = args->old_dev;
+    from.sector = args->old_sector;
+    struct kv_block_start *s = block_start.lookup(&from);
+    if (!s)
+        return 0;
+    struct kv_block_start st = *s;
+    block_start.delete(&from);
+    if (!st.from_dev)
+        st.from_dev = from.dev;
+    struct kv_block_key to = {};
+    to.dev = args->dev;
+    to.sector = args->sector;
+    block_start.update(&to, &st);
+    if (to.dev != from.dev) {
+        u32 *seen = block_remaps.lookup(&to.dev);
+        if (!seen || *seen != from.dev)
+            block_remaps.update(&to.dev, &from.dev);
+    }
+    return 0;
+}
+#endif
+
+#ifdef KV_HAVE_BIO_BACKMERGE
+/* A bio merged at the back of a request: the request (remembered at its first bio) is
+ * counted whole at issue; the merged bio's own record would never be issued. */
+TRACEPOINT_PROBE(block, block_bio_backmerge)
+{
+    struct kv_block_key k = {};
+    k.dev = args->dev;
+    k.sector = args->sector;
+    block_start.delete(&k);
+    return 0;
+}
+#endif
 #endif
 
 /* The request's operation from its rwbs flags, as kvtrace/capture/blockio.py op_of(). */
@@ -102,8 +154,14 @@ TRACEPOINT_PROBE(block, block_rq_issue)
     k.dev = args->dev;
     k.sector = args->sector;
     struct kv_block_start *s = block_start.lookup(&k);
-    if (s && s->ts_issue == 0)
+    if (s && s->ts_issue == 0) {
         s->ts_issue = bpf_ktime_get_ns();
+        u32 bytes = args->bytes;
+        if (bytes == 0)
+            bytes = args->nr_sector << 9;
+        if (bytes)
+            s->bytes = bytes;   /* the whole request: bios merged into it are included */
+    }
     return 0;
 }
 
@@ -148,7 +206,7 @@ TRACEPOINT_PROBE(block, block_rq_complete)
     e->ts_start = st.ts_start;
     e->ts_issue = st.ts_issue;
     e->sector = k.sector;
-    e->dev = k.dev;
+    e->dev = k.dev ? k.dev : st.from_dev;   /* a path without any dev number: its head's */
     e->bytes = done;
     e->error = error;
     e->weight = weight;

@@ -37,6 +37,10 @@
 #define KV_NVME_ISSUER_BLOCK 1
 #define KV_NVME_ISSUER_SETUP 2
 
+/* xflags */
+#define KV_NVME_X_NS_UNKNOWN 0x1  /* the namespace was not in nvme_ns at setup: bytes = nlb << 9,
+                                     the issuer is the setup's task (user space corrects the bytes) */
+
 #define KV_NVME_MODE_SAMPLED 0   /* adaptive sampling within cfg.budget per CPU per window */
 #define KV_NVME_MODE_ALL     1   /* every command */
 #define KV_NVME_MODE_NONE    2   /* no per-command events, only errors/slow/retries and the maps */
@@ -71,7 +75,8 @@ struct kv_nvme_start {
     u8  fctype;
     u8  flags;
     u8  issuer;
-    u8  pad[2];
+    u8  xflags;         /* KV_NVME_X_* */
+    u8  pad;
     char comm[16];
 };
 
@@ -96,7 +101,7 @@ struct kv_nvme_event {
     u8  rec;              /* KV_NVME_REC_* */
     u8  issuer;           /* KV_NVME_ISSUER_* */
     u8  opclass;          /* KV_NVME_OP_* */
-    u8  pad;
+    u8  xflags;           /* KV_NVME_X_* */
     u32 setup_tid;        /* thread the setup ran on */
     char disk[32];
     char comm[16];
@@ -135,6 +140,17 @@ struct kv_nvme_nskey {
     u32 nsid;
 };
 
+/* Data commands of namespaces nvme_ns did not know yet, whose bytes were counted as
+ * nlb << 9: their blocks per (controller, namespace, queue, op class), so user space can
+ * add what 512-byte LBAs left out once the topology says the LBA size. */
+struct kv_nvme_fkey {
+    u32 ctrl_id;
+    u32 nsid;
+    u16 qid;
+    u8  opclass;
+    u8  pad;
+};
+
 /* Filled by user space from sysfs (kvtrace/fabric/topology.py). */
 struct kv_nvme_ns {
     u32 dev1;             /* block-layer dev of the disk the controller's requests are on (0 for hidden path disks) */
@@ -161,11 +177,13 @@ BPF_TABLE("lru_hash", struct kv_nvme_key, struct kv_nvme_start, nvme_start, KV_M
 BPF_HASH(nvme_qstats, struct kv_nvme_qkey, struct kv_nvme_qstat, KV_NVME_QUEUE_ENTRIES);
 BPF_HASH(nvme_hist, struct kv_nvme_hkey, u64, KV_NVME_HIST_ENTRIES);
 BPF_HASH(nvme_ns, struct kv_nvme_nskey, struct kv_nvme_ns, 4096);
+BPF_HASH(nvme_lbafix, struct kv_nvme_fkey, u64, KV_NVME_QUEUE_ENTRIES);   /* -> blocks (nlb) */
 BPF_HASH(nvme_qdepth, u32, u32, 1024);               /* ctrl_id -> I/O queue depth (PCIe) */
 BPF_HASH(nvme_sqocc, struct kv_nvme_qkey, u32, KV_NVME_QUEUE_ENTRIES);
 BPF_ARRAY(nvme_cfg, struct kv_nvme_cfg, 1);
 BPF_PERCPU_ARRAY(nvme_rate, struct kv_nvme_rate, 1);
-/* Accounting that could not be done: [0] queue map full, [1] histogram map full. */
+/* Accounting that could not be done: [0] queue map full, [1] histogram map full,
+ * [2] nvme_lbafix full (those bytes stay counted in 512-byte LBAs). */
 BPF_ARRAY(nvme_drops, u64, 4);
 
 static __always_inline u8 kv_nvme_opclass(int qid, u8 opcode)
@@ -249,6 +267,8 @@ TRACEPOINT_PROBE(nvme, nvme_setup_cmd)
         ns = nvme_ns.lookup(&nk);
         if (ns && ns->lba_shift >= 9 && ns->lba_shift <= 16)
             shift = ns->lba_shift;
+        else
+            s.xflags |= KV_NVME_X_NS_UNKNOWN;
         if (kv_nvme_moves_data(opcode))
             s.bytes = s.nlb << shift;
     }
@@ -347,9 +367,26 @@ TRACEPOINT_PROBE(nvme, nvme_complete_rq)
     if (q) {
         __sync_fetch_and_add(&q->completions, 1);
         __sync_fetch_and_add(&q->latency_ns, lat);
-        if (status == 0)
+        if (status == 0) {
             __sync_fetch_and_add(&q->bytes, st.bytes);
-        else
+            if ((st.xflags & KV_NVME_X_NS_UNKNOWN) && st.bytes) {
+                struct kv_nvme_fkey fk = {};
+                fk.ctrl_id = k.ctrl_id;
+                fk.nsid = st.nsid;
+                fk.qid = k.qid;
+                fk.opclass = opclass;
+                u64 fzero = 0;
+                u64 *blocks = nvme_lbafix.lookup_or_try_init(&fk, &fzero);
+                if (blocks) {
+                    __sync_fetch_and_add(blocks, st.nlb);
+                } else {
+                    u32 i = 2;
+                    u64 *d = nvme_drops.lookup(&i);
+                    if (d)
+                        __sync_fetch_and_add(d, 1);
+                }
+            }
+        } else
             __sync_fetch_and_add(&q->errors, 1);
         if (retries)
             __sync_fetch_and_add(&q->retried, 1);
@@ -405,7 +442,7 @@ TRACEPOINT_PROBE(nvme, nvme_complete_rq)
     e->rec = KV_NVME_REC_CMD;
     e->issuer = st.issuer;
     e->opclass = opclass;
-    e->pad = 0;
+    e->xflags = st.xflags;
     e->setup_tid = st.setup_tid;
 #ifdef KV_NVME_HAVE_DISK
     bpf_probe_read_kernel(e->disk, sizeof(e->disk), (void *)args->disk);

@@ -33,7 +33,11 @@ def config(tp) -> tuple[list[str], str | None]:
     if tp("block", "block_io_start"):
         return ["-DKV_HAVE_BLOCK_IO_START"], None
     if tp("block", "block_bio_queue"):
-        return [], None
+        # before 6.5: follow a bio remapped before it became a request (native-multipath head
+        # to its path device, dm), and drop the records of bios merged into a request
+        flags = ["-DKV_HAVE_BIO_REMAP"] if tp("block", "block_bio_remap") else []
+        flags += ["-DKV_HAVE_BIO_BACKMERGE"] if tp("block", "block_bio_backmerge") else []
+        return flags, None
     return [], "neither block:block_io_start nor block:block_bio_queue exists: the submitter is unknown"
 
 

@@ -3,6 +3,7 @@ mirror C structs as numpy dtypes, decode batches of raw events and check the mir
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -78,9 +79,19 @@ class DecodeContext:
     cwd: dict[int, str] = field(default_factory=dict)
     dev_names: dict[int, str] = field(default_factory=dict)
     malformed: int = 0
+    # The NVMe topology, kept here by the fabric sidecar (kvtrace.fabric.session.TopologyWatcher):
+    # controllers by ctrl_id, the whole topology, the logical block size of every namespace
+    # seen in the run ((ctrl_id, nsid) -> bytes, kept after it vanishes), and a callback that
+    # rescans sysfs at once (rate-limited) when records name controllers, namespaces or disks the
+    # topology does not list yet: ``nvme_rescan(ctrls=..., namespaces=..., devs=...)``.
+    nvme_ctrls: dict = field(default_factory=dict)
+    nvme_topology: object = None
+    nvme_lba: dict[tuple[int, int], int] = field(default_factory=dict)
+    nvme_rescan: Callable | None = None
 
     def dev_name(self, dev: int) -> str:
-        """Kernel dev_t (major<<20 | minor) to a disk name via /sys/dev/block."""
+        """Kernel dev_t (major<<20 | minor) to a disk name via /sys/dev/block, else the NVMe
+        topology's (a hidden multipath path disk has a dev but no link there)."""
         name = self.dev_names.get(dev)
         if name is None:
             major, minor = dev >> 20, dev & ((1 << 20) - 1)
@@ -89,6 +100,8 @@ class DecodeContext:
 
                 name = os.path.basename(os.readlink(f"/sys/dev/block/{major}:{minor}"))
             except OSError:
-                name = f"{major}:{minor}"
+                if dev and self.nvme_rescan is not None:   # a hidden multipath path disk: the topology names it
+                    self.nvme_rescan(devs=[dev])
+                name = self.dev_names.get(dev) or f"{major}:{minor}"
             self.dev_names[dev] = name
         return name

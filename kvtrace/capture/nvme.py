@@ -43,7 +43,7 @@ DTYPE = struct_dtype(
         ("rec", "u1"),
         ("issuer", "u1"),
         ("opclass", "u1"),
-        ("pad", "u1"),
+        ("xflags", "u1"),
         ("setup_tid", "<u4"),
         ("disk", "S32"),
         ("comm", "S16"),
@@ -54,6 +54,7 @@ DTYPE = struct_dtype(
 OPCLASSES = ["read", "write", "flush", "other", "admin", "fabrics", "unknown", "queue"]
 OP_UNKNOWN, OP_QUEUE = 6, 7
 REC_CMD, REC_AEN = 0, 1
+X_NS_UNKNOWN = 0x1   # KV_NVME_X_NS_UNKNOWN: the namespace was not in nvme_ns at setup (bytes = nlb << 9)
 ISSUERS = ["", "block", "setup"]
 MODES = {"sampled": 0, "all": 1, "none": 2}
 NO_OCC = 0xFFFF
@@ -170,6 +171,32 @@ def aen_text(result: int) -> tuple[str, str]:
     return kind, text
 
 
+def lba_bytes(ctx: DecodeContext, ctrl_id: int, nsid: int) -> int | None:
+    """The logical block size of a namespace, from the topology on the decode context."""
+    lba = (getattr(ctx, "nvme_lba", None) or {}).get((ctrl_id, nsid))
+    if lba:
+        return lba
+    c = (getattr(ctx, "nvme_ctrls", None) or {}).get(ctrl_id)
+    for ns in (c.namespaces if c else ()):
+        if ns.nsid == nsid and ns.lba_bytes:
+            return ns.lba_bytes
+    return None
+
+
+def want_topology(ctx: DecodeContext, ctrl_ids=(), namespaces=()) -> None:
+    """Records name these controllers (and namespaces, (ctrl_id, nsid)): if the topology does
+    not list one, have the fabric sidecar rescan sysfs now (it rate-limits), so no row of a
+    controller that is present is written without its transport, target and LBA size."""
+    rescan = getattr(ctx, "nvme_rescan", None)
+    if rescan is None:
+        return
+    ctrls = getattr(ctx, "nvme_ctrls", None) or {}
+    missing_c = sorted({int(c) for c in ctrl_ids} - set(ctrls))
+    missing_n = sorted({(int(c), int(n)) for c, n in namespaces if lba_bytes(ctx, int(c), int(n)) is None})
+    if missing_c or missing_n:
+        rescan(ctrls=missing_c, namespaces=missing_n)
+
+
 def _topo_cols(ctx: DecodeContext, ctrl_ids) -> tuple[list[str], list[str]]:
     """Transport and target address per controller, from the topology the fabric sidecar put
     on the shared decode context (absent: empty strings)."""
@@ -182,11 +209,30 @@ def _topo_cols(ctx: DecodeContext, ctrl_ids) -> tuple[list[str], list[str]]:
     return transport, traddr
 
 
+def command_bytes(cmd: np.ndarray, ctx: DecodeContext) -> np.ndarray:
+    """Data bytes per command: as the probe counted them, except for commands whose namespace
+    the probe did not know yet (X_NS_UNKNOWN: counted in 512-byte LBAs), recomputed as
+    nlb * the namespace's LBA size where the topology knows it."""
+    out = cmd["bytes"].astype(np.uint64)
+    fix = np.nonzero(((cmd["xflags"] & X_NS_UNKNOWN) != 0) & (cmd["bytes"] > 0))[0]
+    if len(fix):
+        ctrl, nsid, nlb = cmd["ctrl_id"].tolist(), cmd["nsid"].tolist(), cmd["nlb"].tolist()
+        for i in fix.tolist():
+            lba = lba_bytes(ctx, ctrl[i], nsid[i])
+            if lba:
+                out[i] = nlb[i] * lba
+    return out
+
+
 def decode(raw: list[bytes], ctx: DecodeContext) -> dict[str, pa.Table]:
     a = decode_array(raw, DTYPE)
     out = {}
     cmd = a[a["rec"] == REC_CMD]
     aen = a[a["rec"] == REC_AEN]
+    if len(a):
+        unknown = (a["rec"] == REC_CMD) & ((a["xflags"] & X_NS_UNKNOWN) != 0)
+        want_topology(ctx, np.unique(a["ctrl_id"]).tolist(),
+                      set(zip(a["ctrl_id"][unknown].tolist(), a["nsid"][unknown].tolist())))
     if len(cmd):
         end = cmd["ts"].astype(np.int64)
         start = cmd["ts_setup"].astype(np.int64)
@@ -216,7 +262,7 @@ def decode(raw: list[bytes], ctx: DecodeContext) -> dict[str, pa.Table]:
             "opclass": pa.array([OPCLASSES[c] if c < len(OPCLASSES) else "" for c in cmd["opclass"].tolist()], pa.string()),
             "slba": pa.array(cmd["slba"], pa.uint64()),
             "nlb": pa.array(cmd["nlb"], pa.uint32()),
-            "bytes": pa.array(cmd["bytes"], pa.uint64()),
+            "bytes": pa.array(command_bytes(cmd, ctx), pa.uint64()),
             "status": pa.array(cmd["status"], pa.uint32()),
             "status_text": pa.array([status_text(s) for s in status], pa.string()),
             "retries": pa.array(cmd["retries"], pa.uint32()),
@@ -245,7 +291,7 @@ class Reference:
 
     ``feed(event, fields, ts, pid=0, tid=0, comm="")`` takes one record (``fields`` as
     ``tpformat.Format.decode`` returns them); ``events`` collects the kv_nvme_event records
-    the BPF program would have emitted, ``qstats`` and ``hist`` the map contents.
+    the BPF program would have emitted, ``qstats``, ``hist`` and ``lbafix`` the map contents.
     ``ns`` maps (ctrl_id, nsid) to (dev1, dev2, lba_shift); ``block`` maps (dev, sector) to
     (tgid, tid, comm) like blockio's block_start.
     """
@@ -258,6 +304,7 @@ class Reference:
         self.start: dict[tuple, dict] = {}
         self.qstats: dict[tuple, dict] = {}
         self.hist: dict[tuple, int] = {}
+        self.lbafix: dict[tuple, int] = {}   # nvme_lbafix: (ctrl, nsid, qid, opclass) -> blocks
         self.sqocc: dict[tuple, int] = {}
         self.events: list[bytes] = []
         self.rate = {"win_start": 0, "seen": 0, "shift": 0}
@@ -276,7 +323,7 @@ class Reference:
             return
         key = (f["ctrl_id"], qid, f["cid"] & 0xFFF)
         s = dict(ts=ts, cid=f["cid"], opcode=opcode, flags=f["flags"], fctype=f.get("fctype", 0xFF), nsid=f["nsid"],
-                 setup_tid=tid, slba=0, nlb=0, bytes=0, issuer=0, tgid=0, tid=0, comm=b"")
+                 setup_tid=tid, slba=0, nlb=0, bytes=0, issuer=0, xflags=0, tgid=0, tid=0, comm=b"")
         shift, ns = 9, None
         if qid != 0 and opcode in LBA_OPCODES:
             cdw = bytes(f["cdw10"])
@@ -285,6 +332,8 @@ class Reference:
             ns = self.ns.get((f["ctrl_id"], f["nsid"]))
             if ns and 9 <= ns[2] <= 16:
                 shift = ns[2]
+            else:
+                s["xflags"] |= X_NS_UNKNOWN
             if opcode in DATA_OPCODES:
                 s["bytes"] = (s["nlb"] << shift) & 0xFFFFFFFF
         if ns:
@@ -334,6 +383,9 @@ class Reference:
         q["latency_ns"] += lat
         if status == 0:
             q["bytes"] += s["bytes"]
+            if s["xflags"] & X_NS_UNKNOWN and s["bytes"]:
+                fk = (key[0], s["nsid"], key[1], opclass)
+                self.lbafix[fk] = self.lbafix.get(fk, 0) + s["nlb"]
         else:
             q["errors"] += 1
         if retries:
@@ -351,6 +403,7 @@ class Reference:
         e["sq_occ"] = self.sqocc.get(key[:2], NO_OCC)
         e["opcode"], e["fctype"], e["flags"], e["retries"] = s["opcode"], s["fctype"], f["flags"], retries
         e["rec"], e["issuer"], e["opclass"], e["setup_tid"] = REC_CMD, s["issuer"], opclass, s["setup_tid"]
+        e["xflags"] = s["xflags"]
         e["disk"], e["comm"] = bytes(f.get("disk", b""))[:32], s["comm"][:16]
         self.events.append(e.tobytes())
 

@@ -3,6 +3,9 @@
     nvme_qstats  -> nvme_queue       per (controller, queue, op class): setups, completions,
                                       bytes, errors, retried, unmatched, latency sum, SQ occupancy
     nvme_hist    -> nvme_queue_hist  per (controller, queue, op class): log2 latency buckets
+    nvme_lbafix  -> (into nvme_queue's bytes) blocks of data commands on namespaces the probe
+                                      did not know yet, counted in 512-byte LBAs: what the
+                                      namespace's LBA size adds is added once the topology says it
     rdma_cq      -> rdma_cq          per kernel CQ: polls, completions, full-budget polls,
                                       wake-ups and their latency
 
@@ -19,7 +22,7 @@ from collections import Counter
 
 import pyarrow as pa
 
-from kvtrace.capture.nvme import OPCLASSES
+from kvtrace.capture.nvme import OPCLASSES, lba_bytes, want_topology
 from kvtrace.dataset import schema
 
 QFIELDS = ("setups", "completions", "bytes", "latency_ns", "errors", "retried", "unmatched", "sq_samples", "sq_occ_sum")
@@ -52,6 +55,7 @@ class KernelMaps:
         self.prev_q: dict[tuple, tuple] = {}
         self.prev_h: dict[tuple, int] = {}
         self.prev_cq: dict[int, tuple] = {}
+        self.prev_fix: dict[tuple, int] = {}
         self.last_ns = time.monotonic_ns()
         self.c = Counter()
         self.epoch = 0
@@ -96,14 +100,41 @@ class KernelMaps:
         except Exception:
             self.c["cfg_errors"] += 1
 
+    def _lba_extra(self) -> Counter:
+        """Bytes 512-byte LBAs left out, per (controller, queue, op class), from nvme_lbafix.
+        Read before nvme_qstats (the probe counts a command there first), so the bytes added
+        never run ahead of the commands counted; blocks of a namespace whose LBA size is not
+        known yet stay in the map's delta until it is."""
+        out = Counter()
+        if "nvme_lbafix" not in self.t:
+            return out
+        items = [((int(k.ctrl_id), int(k.nsid), int(k.qid), int(k.opclass)), _int(v)) for k, v in _items(self.t["nvme_lbafix"])]
+        fresh = [(key, cur) for key, cur in items if cur > self.prev_fix.get(key, 0)]
+        if self.ctx is not None and fresh:
+            want_topology(self.ctx, namespaces={key[:2] for key, _ in fresh})
+        for (ctrl, nsid, qid, opclass), cur in fresh:
+            lba = lba_bytes(self.ctx, ctrl, nsid) if self.ctx is not None else None
+            if not lba:
+                continue
+            blocks = cur - self.prev_fix.get((ctrl, nsid, qid, opclass), 0)
+            self.prev_fix[(ctrl, nsid, qid, opclass)] = cur
+            out[(ctrl, qid, opclass)] += blocks * (lba - 512)
+            self.c["lba_fixed_blocks"] += blocks
+        self.c["lba_unknown_blocks"] = sum(cur - self.prev_fix.get(key, 0) for key, cur in items)
+        return out
+
     def _nvme(self, now: int, interval: int) -> dict[str, pa.Table]:
         rows = {c: [] for c in schema.TABLES["nvme_queue"].names}
+        extra = self._lba_extra()
         for k, v in _items(self.t["nvme_qstats"]):
             key = (int(k.ctrl_id), int(k.qid), int(k.opclass))
             cur = tuple(int(getattr(v, f)) for f in QFIELDS)
             prev = self.prev_q.get(key, (0,) * len(QFIELDS))
             d = tuple(max(0, a - b) for a, b in zip(cur, prev))
             self.prev_q[key] = cur
+            more = extra.pop(key, 0)
+            if more:
+                d = tuple(x + more if f == "bytes" else x for f, x in zip(QFIELDS, d))
             occ_max = int(getattr(v, "sq_occ_max", 0))
             fresh = int(getattr(v, "sq_epoch", self.epoch)) == self.epoch
             if not any(d):
@@ -155,6 +186,7 @@ class KernelMaps:
             drops = {int(getattr(k, "value", k)): _int(v) for k, v in _items(self.t["nvme_drops"])}
             self.c["queue_map_full"] = drops.get(0, 0)
             self.c["hist_map_full"] = drops.get(1, 0)
+            self.c["lbafix_map_full"] = drops.get(2, 0)
         self.c["flushes"] += 1
         return out
 

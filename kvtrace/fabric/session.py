@@ -2,13 +2,14 @@
 run-time settings (BPF maps), and the sidecars (NVMe topology watcher, kernel-map reader,
 NIC counter poller).
 
-attach.py only applies ``options`` to its command and calls ``start(pipeline, source)``.
+attach.py applies ``options`` to its command; capture/session.py calls ``start(pipeline, source)``.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ import pyarrow as pa
 from kvtrace.capture import tcp as tcp_probe
 from kvtrace.dataset import schema
 from kvtrace.fabric import topology
+from kvtrace.fabric.sysfs import kernel_dev
 
 META = "kvtrace.fabric"
 NVME_MODES = {"sampled": 0, "all": 1, "none": 2}
@@ -131,37 +133,112 @@ class TopologyWatcher:
     """A sidecar: the NVMe topology as rows (a snapshot at the start, then what changes: state,
     address, ANA state, controllers and namespaces that appear or vanish), kept on the
     decode context for the decoders, and told to the nvme probe (namespace devices and LBA
-    sizes, PCIe queue depths)."""
+    sizes, PCIe queue depths).
+
+    It rescans every ``interval`` seconds, and at once when a decoder meets a controller or
+    namespace it does not list (``ctx.nvme_rescan``): a controller connected during the
+    capture has its transport, target and LBA size from its first rows on.  Each controller
+    or namespace looked for in vain triggers one immediate rescan; asked for again, at most
+    one per ``demand_interval`` seconds.  Decoders and ``drain`` run on the pipeline's
+    thread; a lock keeps a rescan from any other thread whole."""
 
     name = "nvme_topology"
 
-    def __init__(self, ctx, tables: dict | None = None, interval: float = 2.0, root: str = "/"):
+    def __init__(self, ctx, tables: dict | None = None, interval: float = 2.0, root: str = "/",
+                 demand_interval: float = 1.0):
         self.ctx = ctx
         self.t = tables or {}
         self.interval = interval
+        self.demand_interval = demand_interval
         self.root = root
         self.topo: topology.Topology | None = None
         self.pending: dict[str, list] = {}
         self.next = 0.0
         self.changes = 0
         self.scans = 0
+        self.demand_scans = 0
         self.map_errors = 0
+        self.lock = threading.RLock()
+        self.sought: set = set()        # looked for by a rescan on demand and not found
+        self.disk_devs: set = set()     # devs of namespace disks seen
+        self.remaps: dict[int, int] = {}   # block_remaps: dev a bio went to -> dev it came from
+        self.last_demand = float("-inf")
         self.scan()
+        ctx.nvme_rescan = self.rescan
 
     def scan(self) -> None:
-        new = topology.scan(self.root)
-        self.scans += 1
-        c, n, h = topology.changes(self.topo, new, time.monotonic_ns())
-        if self.topo is not None:
-            self.changes += len(c) + len(n)
-        for name, rows in (("nvme_ctrl", c), ("nvme_ns", n), ("nvme_hctx", h)):
-            if rows:
-                self.pending.setdefault(name, []).extend(rows)
-        self.topo = new
-        self.ctx.nvme_ctrls = new.controllers
-        self.ctx.nvme_topology = new
-        self._tell_bpf(new)
-        self.next = time.monotonic() + self.interval
+        with self.lock:
+            new = topology.scan(self.root)
+            self._learn_paths(new)
+            self.scans += 1
+            c, n, h = topology.changes(self.topo, new, time.monotonic_ns())
+            if self.topo is not None:
+                self.changes += len(c) + len(n)
+            for name, rows in (("nvme_ctrl", c), ("nvme_ns", n), ("nvme_hctx", h)):
+                if rows:
+                    self.pending.setdefault(name, []).extend(rows)
+            self.topo = new
+            lba = dict(getattr(self.ctx, "nvme_lba", None) or {})
+            lba.update({(ns.ctrl_id, ns.nsid): ns.lba_bytes for ns in new.namespaces() if ns.nsid is not None})
+            self.ctx.nvme_lba = lba      # every namespace seen in the run (late records of a gone one)
+            names = new.disk_names()
+            self.ctx.dev_names.update(names)   # hidden multipath paths: named here, not by /sys/dev/block
+            self.disk_devs |= set(names)
+            self.ctx.nvme_ctrls = new.controllers
+            self.ctx.nvme_topology = new
+            self._tell_bpf(new)
+            self.next = time.monotonic() + self.interval
+
+    def _learn_paths(self, topo: topology.Topology) -> None:
+        """Hidden multipath path disks without a dev in sysfs (6.1) still have one in the block
+        layer: blockio's ``block_remaps`` map holds each dev a traced bio was remapped to and the
+        head it came from.  A head with one such path gives that path its dev (so the nvme probe
+        finds the block layer's record of its requests, and block_io rows name it); with several,
+        their devs are named by the head."""
+        remaps = self.t.get("block_remaps")
+        if remaps is not None:
+            try:
+                for k, v in remaps.items():
+                    self.remaps[int(getattr(k, "value", k))] = int(getattr(v, "value", v))
+            except Exception:
+                self.map_errors += 1
+        for path_dev, head_dev in self.remaps.items():
+            paths = [ns for ns in topo.namespaces()
+                     if ns.multipath and ns.head_dev and kernel_dev(*ns.head_dev) == head_dev]
+            if len(paths) == 1 and paths[0].disk_dev is None:
+                paths[0].disk_dev = (path_dev >> 20, path_dev & ((1 << 20) - 1))
+            elif paths and all(ns.disk_dev is None for ns in paths):
+                self.ctx.dev_names[path_dev] = paths[0].head
+                self.disk_devs.add(path_dev)
+
+    def _missing(self, ctrls, namespaces, devs=()) -> set:
+        known_c = self.topo.controllers if self.topo else {}
+        known_n = getattr(self.ctx, "nvme_lba", None) or {}
+        return ({("ctrl", int(c)) for c in ctrls if int(c) not in known_c}
+                | {("ns", int(c), int(n)) for c, n in namespaces if (int(c), int(n)) not in known_n}
+                | {("dev", int(d)) for d in devs if int(d) not in self.disk_devs})
+
+    def rescan(self, ctrls=(), namespaces=(), devs=()) -> bool:
+        """Rescan now if ``ctrls`` (ctrl ids), ``namespaces`` ((ctrl_id, nsid)) or ``devs`` (block
+        devs without a /sys/dev/block name) are not listed; True when it rescanned."""
+        with self.lock:
+            missing = self._missing(ctrls, namespaces, devs)
+            if not missing:
+                return False
+            now = time.monotonic()
+            if missing <= self.sought and now - self.last_demand < self.demand_interval:
+                return False
+            self.last_demand = now
+            self.demand_scans += 1
+            try:
+                self.scan()
+            except Exception:
+                self.map_errors += 1
+            asked = self.sought | missing
+            still = self._missing([k[1] for k in asked if k[0] == "ctrl"], [k[1:] for k in asked if k[0] == "ns"],
+                                  [k[1] for k in asked if k[0] == "dev"])
+            self.sought = still if len(still) <= 4096 else set()
+            return True
 
     def _tell_bpf(self, topo: topology.Topology) -> None:
         ns_map, qd_map = self.t.get("nvme_ns"), self.t.get("nvme_qdepth")
@@ -176,22 +253,24 @@ class TopologyWatcher:
             self.map_errors += 1
 
     def drain(self) -> dict[str, pa.Table]:
-        if time.monotonic() >= self.next:
-            try:
-                self.scan()
-            except Exception:
-                self.map_errors += 1
+        with self.lock:
+            if time.monotonic() >= self.next:
+                try:
+                    self.scan()
+                except Exception:
+                    self.map_errors += 1
+            pending, self.pending = self.pending, {}
         out = {}
-        for name, rows in self.pending.items():
+        for name, rows in pending.items():
             sch = schema.TABLES[name]
             out[name] = pa.table({c: pa.array([r.get(c) for r in rows], sch.field(c).type) for c in sch.names}, schema=sch)
-        self.pending = {}
         return out
 
     def stats(self) -> dict:
         t = self.topo
         return {"controllers": len(t.controllers) if t else 0, "namespaces": len(t.namespaces()) if t else 0,
-                "scans": self.scans, "changes": self.changes, "map_errors": self.map_errors}
+                "scans": self.scans, "demand_scans": self.demand_scans, "changes": self.changes,
+                "map_errors": self.map_errors}
 
     def close(self) -> None:
         try:
@@ -296,13 +375,15 @@ def _start(pipeline, source, opts: Options, echo) -> Started:
         out.notes += notes
         out.warnings += warns
     maps = _tables(bpf, ("nvme_ns", "nvme_qdepth")) if bpf is not None and "nvme" in plan.attached else {}
+    if bpf is not None and "blockio" in plan.attached:
+        maps.update(_tables(bpf, ("block_remaps",)))
     watcher = TopologyWatcher(pipeline.ctx, maps, opts.topology_interval, opts.root)
     out.sidecars.append(watcher)
     n = len(watcher.topo.controllers)
     out.notes.append(f"{n} NVMe controller{'s' if n != 1 else ''}" + (
         " (" + ", ".join(f"{c.name} {c.transport}" for c in sorted(watcher.topo.controllers.values(), key=lambda c: c.instance)) + ")" if n else ""))
     if bpf is not None and ("nvme" in plan.attached or "rdma" in plan.attached):
-        tables = _tables(bpf, ("nvme_qstats", "nvme_hist", "nvme_drops", "rdma_cq"))
+        tables = _tables(bpf, ("nvme_qstats", "nvme_hist", "nvme_drops", "nvme_lbafix", "rdma_cq"))
         cfg = _tables(bpf, ("nvme_cfg",)).get("nvme_cfg")
         settings = {"nvme_events": opts.nvme_events, "nvme_event_rate": opts.nvme_event_rate,
                     "nvme_slow_us": opts.nvme_slow_us} if "nvme" in plan.attached else {}

@@ -51,7 +51,9 @@ class Namespace:
     lba_bytes: int
     size_bytes: int
     head_dev: tuple[int, int] | None
-    disk_dev: tuple[int, int] | None   # None for hidden path disks (no block device node)
+    disk_dev: tuple[int, int] | None   # the dev the block layer reports for the disk, from its sysfs `dev`; a
+                                       # hidden multipath path has none there (6.1 still gives it one in the block
+                                       # layer: kvtrace.fabric.session learns it from the probe's remaps)
     hctx: list[Hctx] = field(default_factory=list)
     mounts: list[str] = field(default_factory=list)
 
@@ -212,8 +214,8 @@ class Topology:
 
     # ---- what the BPF side needs -----------------------------------------------------------
     def bpf_namespaces(self) -> dict[tuple[int, int], tuple[int, int, int]]:
-        """(ctrl_id, nsid) -> (dev of the disk as block tracepoints report it (0: hidden path
-        disk), dev of the multipath head (0: none), log2 logical block size)."""
+        """(ctrl_id, nsid) -> (dev of the disk as block tracepoints report it (0: a hidden path
+        disk without one), dev of the multipath head (0: none), log2 logical block size)."""
         out = {}
         for ns in self.namespaces():
             if ns.nsid is None:
@@ -222,6 +224,11 @@ class Topology:
             d2 = kernel_dev(*ns.head_dev) if ns.multipath and ns.head_dev else 0
             out[(ns.ctrl_id, ns.nsid)] = (d1, d2, ns.lba_shift)
         return out
+
+    def disk_names(self) -> dict[int, str]:
+        """Block-layer dev (major << 20 | minor) -> disk name, for the namespace disks that have a
+        dev but no /sys/dev/block link (hidden multipath paths)."""
+        return {kernel_dev(*ns.disk_dev): ns.disk for ns in self.namespaces() if ns.disk_dev}
 
     def queue_depths(self) -> dict[int, int]:
         return {c.instance: c.io_queue_depth for c in self.controllers.values()
@@ -282,12 +289,11 @@ def _namespace(r: Root, ctrl: Controller, disk: str) -> Namespace:
         nsid = r.read_int(f"{hdir}/nsid")
     lba = r.read_int(f"{ddir}/queue/logical_block_size") or r.read_int(f"{hdir}/queue/logical_block_size") or 512
     size = r.read_int(f"{hdir}/size") or r.read_int(f"{ddir}/size") or 0
-    hidden = r.read_int(f"{ddir}/hidden", 0) == 1 or multipath
     return Namespace(
         disk=disk, head=head, ctrl=ctrl.name, ctrl_id=ctrl.instance, nsid=nsid, multipath=multipath,
         ana_state=r.read(f"{ddir}/ana_state", "") or "", ana_grpid=r.read_int(f"{ddir}/ana_grpid"),
         lba_bytes=lba, size_bytes=size * 512, head_dev=parse_devt(r.read(f"{hdir}/dev")),
-        disk_dev=None if hidden else parse_devt(r.read(f"{ddir}/dev")), hctx=_hctx(r, ddir),
+        disk_dev=parse_devt(r.read(f"{ddir}/dev")), hctx=_hctx(r, ddir),
     )
 
 

@@ -214,11 +214,6 @@ def test_dataset_is_complete(lab):
 # ----------------------------------------------------------------------------- block and file level
 
 
-def _kernel_before_6_5(lab) -> bool:
-    major, minor = (int(x) for x in (lab.out / "kernel").read_text().split(".")[:2])
-    return (major, minor) < (6, 5)
-
-
 @pytest.mark.parametrize("ns,mode", PHASES)
 def test_block_io_equals_disk_stat(lab, ns, mode):
     """Per namespace and phase: block_io's requests and bytes for the reader equal the delta of
@@ -228,29 +223,15 @@ def test_block_io_equals_disk_stat(lab, ns, mode):
     assert d["reads"] >= 64 and d["writes"] == 0
     rows = [r for r in lab.table("block_io")
             if r["disk"] in (n["head"], n["path"]) and ph["t0"] <= r["start_ns"] <= ph["t1"]]
-    if n["head"] != n["path"] and not rows and _kernel_before_6_5(lab):
-        pytest.xfail("blockio pairs block_bio_queue with block_rq_issue on (dev, sector); before 6.5 a native-"
-                     "multipath head's bio is queued on the head and issued on the path device (block_bio_remap), "
-                     "so nothing pairs and I/O through nvme-tcp/nvme-rdma heads is not recorded")
     assert all(r["pid"] == lab.reader["pid"] and r["op"] == "R" for r in rows)
     assert all((r.get("weight") or 1) == 1 for r in rows)  # nothing sampled at this rate
     assert len(rows) == d["reads"], (len(rows), d)
     assert all(r["latency_ns"] > 0 for r in rows)
-    got = sum(r["bytes"] for r in rows)
-    if got != d["read_sectors"] * 512 and _kernel_before_6_5(lab):
-        # the NVMe command of each request, from the kernel's trace: its length is the request's
-        cmds = {c["slba"]: c["nlb"] for c in _nvme_reads(lab, n["ctrl"], ph["t0"], ph["t1"])}
-        short = [(r["sector"], r["bytes"], cmds.get(r["sector"] * 512 // n["lba_bytes"], 0) * n["lba_bytes"]) for r in rows]
-        short = [s for s in short if s[1] < s[2]]
-        if short and got + sum(s[2] - s[1] for s in short) == d["read_sectors"] * 512:
-            pytest.xfail("block_io takes a request's bytes from its first bio (block_bio_queue); a request that "
-                         f"merged several bios is under-counted: (sector, block_io bytes, request bytes) {short}")
-    assert got == d["read_sectors"] * 512
-
-
-def _nvme_reads(lab, ctrl: str, t0: int, t1: int) -> list[dict]:
-    return [r for r in lab.ftrace if r["event"] == "nvme_setup_cmd" and r["ctrl"] == ctrl and r["qid"] > 0
-            and t0 <= r["ts_ns"] <= t1 and r["op"] == "nvme_cmd_read"]
+    assert sum(r["bytes"] for r in rows) == d["read_sectors"] * 512
+    # each request's bytes are the whole request's: those of the NVMe command the kernel built for it
+    cmds = {c.get("slba"): c["nlb"] * n["lba_bytes"] for c in lab.ftrace if c["event"] == "nvme_setup_cmd"
+            and c["ctrl"] == n["ctrl"] and c["qid"] > 0 and ph["t0"] <= c["ts_ns"] <= ph["t1"]}
+    assert all(r["bytes"] == cmds.get(r["sector"] * 512 // n["lba_bytes"], r["bytes"]) for r in rows)
 
 
 @pytest.mark.parametrize("ns,mode", PHASES)
@@ -310,28 +291,10 @@ def test_nvme_reads_equal_disk_stat(lab, ns):
                        if r["event"] == "nvme_setup_cmd" and r["ctrl"] == n["ctrl"] and r["qid"] > 0)
     assert kernel_bytes == d["read_sectors"] * 512
     got = sum(c["bytes"] for (qid, op), c in q.items() if qid > 0 and op == "read")
-    if got != kernel_bytes:
-        rows = [r for r in lab.table("nvme_cmd") if r["ctrl"] == n["ctrl"] and r["qid"] > 0]
-        if sum(r["bytes"] for r in rows) == got:
-            _xfail_if_lba_gap(lab, n, rows, kernel_bytes - got)
     assert got == kernel_bytes
-
-
-def _xfail_if_lba_gap(lab, n: dict, rows: list[dict], missing: int) -> None:
-    """xfail when the bytes missing are exactly those of commands counted with 512-byte LBAs on a
-    namespace of larger ones, all set up before kvtrace's topology listed the namespace."""
-    lba = n["lba_bytes"]
-    wrong = [r for r in rows if r["bytes"] != r["nlb"] * lba]
-    if lba == 512 or not wrong or any(r["bytes"] != r["nlb"] * 512 for r in wrong):
-        return
-    if sum(r["nlb"] * (lba - 512) for r in wrong) != missing:
-        return
-    seen = min((r["ts_ns"] for r in lab.table("nvme_ns") if r["ctrl"] == n["ctrl"]), default=None)
-    if seen is None or any(r["setup_ns"] > seen + 1_000_000_000 for r in wrong):  # the map follows the scan
-        return
-    pytest.xfail(f"{len(wrong)} of {len(rows)} commands counted with 512-byte LBAs on a {lba}-byte-LBA namespace: "
-                 f"it was connected during the capture and kvtrace's topology listed it only "
-                 f"{(seen - n['connect_end_ns']) / 1e9:.0f}s later; commands before that have bytes = nlb * 512")
+    rows = [r for r in lab.table("nvme_cmd") if r["ctrl"] == n["ctrl"] and r["qid"] > 0]
+    assert sum(r["bytes"] for r in rows) == kernel_bytes
+    assert all(r["bytes"] == r["nlb"] * n["lba_bytes"] for r in rows)
 
 
 @pytest.mark.parametrize("ns,mode", PHASES)
@@ -347,10 +310,7 @@ def test_nvme_phase_on_its_queue_equals_disk_stat(lab, ns, mode):
             and ph["t0"] <= r["setup_ns"] <= ph["t1"]]
     assert {r["qid"] for r in rows} == {hctx[0]["qid"]}
     assert len(rows) == d["reads"] and all(r["opclass"] == "read" and r["weight"] == 1 for r in rows)
-    got = sum(r["bytes"] for r in rows)
-    if got != d["read_sectors"] * 512:
-        _xfail_if_lba_gap(lab, n, rows, d["read_sectors"] * 512 - got)
-    assert got == d["read_sectors"] * 512
+    assert sum(r["bytes"] for r in rows) == d["read_sectors"] * 512
 
 
 @pytest.mark.parametrize("ns", NAMESPACES)
