@@ -9,6 +9,7 @@ import ctypes
 import mmap
 import os
 import platform
+import sys
 import threading
 
 from kvtrace import phases
@@ -34,15 +35,20 @@ def _import_bcc():
     return BPF
 
 
+MADV_DONTNEED = 4
 MADV_PAGEOUT = 21  # Linux 5.4+
 
 
 def release_compiler_memory() -> int:
     """Give back what compiling the program left behind: the C heap's free pages (malloc_trim)
-    and the resident pages of the compiler's read-only library mappings (libLLVM, libclang;
-    MADV_PAGEOUT: the kernel drops them, and reads them from the file again only if they are
-    ever used, which a running capture does not).  Writable mappings are never touched.
-    Returns the bytes of resident memory released (best effort; 0 where unsupported)."""
+    and the resident pages of the compiler's libraries (libLLVM, libclang), which a running
+    capture does not use again.  Their code (read-only, executable: never written, so the file
+    holds exactly what is mapped) is dropped from this process with MADV_DONTNEED, which works
+    even while other processes (another agent) map the same pages, where MADV_PAGEOUT skips
+    them; a page used again is faulted back in from the file.  Their other read-only mappings
+    may hold relocated (written) pages, so they only get MADV_PAGEOUT.  Writable mappings are
+    never touched.  Returns the bytes of resident memory released (best effort; 0 where
+    unsupported)."""
     def rss() -> int:
         try:
             with open("/proc/self/statm") as f:
@@ -64,10 +70,41 @@ def release_compiler_memory() -> int:
                 if not name.startswith(("libLLVM", "libclang")):
                     continue
                 lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                libc.madvise(lo, hi - lo, MADV_PAGEOUT)
+                code = parts[1].startswith("r-xp")
+                libc.madvise(lo, hi - lo, MADV_DONTNEED if code else MADV_PAGEOUT)
     except (OSError, AttributeError, ValueError):
         pass
     return max(0, before - rss())
+
+
+class _NoPandas:
+    """An import finder that refuses pandas (see keep_pandas_out)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "pandas" or name.startswith("pandas."):
+            raise ImportError("pandas is kept out of a running capture")
+        return None
+
+
+_NO_PANDAS = _NoPandas()
+
+
+def keep_pandas_out() -> bool:
+    """pyarrow imports pandas (≈37 MB resident here) the first time ``pa.table()`` checks
+    whether its input is a DataFrame; a capture never uses pandas.  Until ``let_pandas_in``,
+    importing pandas fails (pyarrow then takes it as not installed), unless it is already
+    imported.  True when this call kept it out."""
+    if "pandas" in sys.modules or _NO_PANDAS in sys.meta_path:
+        return False
+    sys.meta_path.insert(0, _NO_PANDAS)
+    return True
+
+
+def let_pandas_in() -> None:
+    try:
+        sys.meta_path.remove(_NO_PANDAS)
+    except ValueError:
+        pass
 
 
 class Source:
@@ -85,6 +122,7 @@ class Source:
             raise CaptureError(f"the BPF program did not compile or load ({e}); run `kvtrace doctor`") from None
         phases.mark("bpf_loaded")
         self.released_bytes = release_compiler_memory()
+        self._pandas_blocked = keep_pandas_out()
         self.pending: dict[int, list[bytes]] = {k: [] for k in range(events.NKINDS)}
         self.count = 0
         self.max_pending = max_pending
@@ -154,3 +192,5 @@ class Source:
             self.bpf.cleanup()
         except Exception:
             pass
+        if self._pandas_blocked:
+            let_pandas_in()

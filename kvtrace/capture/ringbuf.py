@@ -3,8 +3,10 @@
 bcc's ring_buffer_poll() calls a Python callback through ctypes for every record, which
 caps a Python consumer near 150-200k events/s here.  The ring buffer's memory is mappable
 (kernel/bpf/ringbuf.c): page 0 holds the consumer position (read-write), page 1 the
-producer position, followed by the data area mapped twice so a record that wraps reads
-contiguously.  Each record has an 8-byte header: u32 length with a busy bit (still being
+producer position, followed by the data area, which the kernel lets user space map twice so
+a record that wraps reads contiguously.  This reader maps it once (the second mapping would
+double the ring's share of the agent's resident memory once the reader has wrapped) and joins
+the two pieces of a pass that wraps.  Each record has an 8-byte header: u32 length with a busy bit (still being
 written) and a discard bit, then the record, padded to 8 bytes.  This reader copies all
 committed records in one pass and advances the consumer position once per pass, as
 libbpf's ring_buffer__consume does.
@@ -32,7 +34,7 @@ class RingReader:
         self.size = data_size
         self.mask = data_size - 1
         self.cons = mmap.mmap(map_fd, PAGE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=0)
-        self.prod = mmap.mmap(map_fd, PAGE + 2 * data_size, mmap.MAP_SHARED, mmap.PROT_READ, offset=PAGE)
+        self.prod = mmap.mmap(map_fd, PAGE + data_size, mmap.MAP_SHARED, mmap.PROT_READ, offset=PAGE)
         self.poller = select.poll()
         self.poller.register(map_fd, select.POLLIN)
 
@@ -54,7 +56,11 @@ class RingReader:
             return 0
         avail = prod - cons
         base = PAGE + (cons & self.mask)
-        chunk = self.prod[base:base + avail]  # one copy; the area is mapped twice, no wrap split
+        end = PAGE + self.size
+        if base + avail <= end:
+            chunk = self.prod[base:base + avail]  # one copy
+        else:  # the pass wraps: the tail of the data area, then its start
+            chunk = self.prod[base:end] + self.prod[PAGE:PAGE + base + avail - end]
         view = np.frombuffer(chunk, dtype=np.uint8)
         n = pos = 0
         unpack = U32.unpack_from
