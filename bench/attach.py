@@ -340,6 +340,7 @@ def summarise(trials: list[dict]) -> dict | None:
         "injection_max_over_median": s(lambda t: t["client"]["injection"]["max_gap_over_median"]),
         "baseline_median_gap_ms": s(lambda t: t["client"]["baseline_median_gap_ms"]),
         "removal_max_gap_ms": s(lambda t: (t["client"]["removal"] or {}).get("max_gap_ms")),
+        "bpf_build_max_gap_ms": s(lambda t: (t["client"]["bpf_build"] or {}).get("max_gap_ms")),
         "hook_median_step_gap_ms": s(lambda t: t["hook"]["median_step_gap_ms"]),
         "hook_worker_injection_max_step_gap_ms": s(lambda t: t["hook"]["worker_injection_max_step_gap_ms"]),
         "load_average": s(lambda t: t.get("load_average")),

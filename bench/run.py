@@ -127,6 +127,7 @@ def attach_markdown(a: dict) -> list[str]:
         f"- pause the server sees: longest gap between streamed tokens across the injection {f(s['injection_max_gap_ms'], nd=1)}"
         f" against a median gap of {f(s['baseline_median_gap_ms'], nd=1)} before the attach "
         f"({f(s['injection_max_over_median'], unit='×', nd=1)}); across the removal at detach {f(s['removal_max_gap_ms'], nd=1)}; "
+        f"during the agent's BPF build (its compiler shares the CPU) {f(s.get('bpf_build_max_gap_ms'), nd=1)}; "
         f"hook's step records: median step gap {f(s['hook_median_step_gap_ms'], nd=1)}, longest across the Worker's "
         f"injection {f(s['hook_worker_injection_max_step_gap_ms'], nd=1)}"
         + (f"; load average {f(s['load_average'], unit='', nd=1)}" if s.get("load_average") else ""),
