@@ -1,19 +1,28 @@
-"""Benchmark of the offline analysis: `kvtrace analyze` on a synthetic dataset of ~10M events
+"""Benchmark of the offline analysis: `kvtrace analyze` on a synthetic dataset of 10M events
 (DuckDB), and the `whatif` replay rate in block lookups per second.
 
-    .venv/bin/python bench/analysis.py [--short] [--json FILE]
+    .venv/bin/python bench/analysis.py [--short] [--json FILE] [--repeat N] [--baseline TREE]
 
 The dataset mimics a long run: requests in groups sharing a prefix, chunked prefill, evictions
 of earlier prompts' blocks, per-request KV loads, and the kernel's block and file I/O (most
 of the events).  It is generated with numpy and written as the agent writes (one Parquet file
-per table, kvtrace metadata), then analysed once untimed (OS cache warm) and timed.
+per table, kvtrace metadata).  What is timed is the command a user runs, `python -m kvtrace
+analyze DIR` in a new process (start-up, imports, the analysis and the terminal report; output
+to /dev/null), after one untimed `--json` run that warms the OS cache and gives the check
+figures; wall time and the process' CPU time (user + system) of each run, and the load average.
+The whatif replay runs in a new process too.  With --baseline TREE (a kvtrace source tree, e.g.
+`git archive` of an earlier commit) the same runs are made with that tree's kvtrace,
+interleaved with this one's, so before and after are measured side by side on the same data.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import resource
 import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +39,8 @@ from kvtrace.dataset import schema  # noqa: E402
 
 MS = 1_000_000
 BS = 32
+REPO = Path(__file__).resolve().parents[1]
+EVENTS = 10_000_000      # full mode: hook records + kernel I/O rows
 
 
 def _write(root: Path, table: str, cols: dict, run="bench") -> int:
@@ -52,10 +63,10 @@ def _write(root: Path, table: str, cols: dict, run="bench") -> int:
     return n
 
 
-def synth(root: Path, requests: int, io_events: int, seed: int = 1) -> dict:
+def synth(root: Path, requests: int, events: int, seed: int = 1) -> dict:
     """Requests of 1,000-2,000 tokens in groups of 4 sharing a 640-token prefix, 256-token chunks,
     one step per chunk, an eviction of 5 blocks per request, a KV load per 8th request, plus
-    io_events kernel rows (block and file reads)."""
+    kernel rows (block and file reads) up to `events` rows in all."""
     rng = np.random.default_rng(seed)
     n = requests
     plen = rng.integers(1000, 2001, n)
@@ -109,6 +120,7 @@ def synth(root: Path, requests: int, io_events: int, seed: int = 1) -> dict:
                                              "blocks": np.full(len(lr), 20), "nbytes": np.full(len(lr), 20 * 65536),
                                              "request": ids[lr], "source": np.array(["kvtrace-file"] * len(lr), dtype=object),
                                              "pid": np.full(len(lr), 101)})
+    io_events = max(events - sum(ev.values()), 0)
     half = io_events // 2
     ts = np.sort(rng.integers(MS, int(t_start[-1]), half))
     lat = rng.lognormal(11.5, 0.6, half).astype(np.int64)
@@ -126,59 +138,109 @@ def synth(root: Path, requests: int, io_events: int, seed: int = 1) -> dict:
     return ev
 
 
-def bench_analyze(short: bool) -> dict:
-    from kvtrace.analysis.report import analyze
+def _run(tree: Path, args: list, out=subprocess.DEVNULL) -> tuple[float, float, str]:
+    """One command in a new process with `tree`'s kvtrace: wall s, CPU s (user + system), stdout."""
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, *args], env=env, cwd=tree, stdout=out, stderr=subprocess.PIPE, text=True)
+    dt = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if p.returncode:
+        raise RuntimeError(f"{args} with {tree} failed: {p.stderr[-1000:]}")
+    return dt, (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime), p.stdout or ""
 
-    requests, io = (4_000, 1_000_000) if short else (40_000, 8_700_000)
+
+def _summary(runs: list[dict], key: str) -> dict:
+    v = [r[key] for r in runs]
+    return {"median": round(statistics.median(v), 3), "min": round(min(v), 3), "max": round(max(v), 3)}
+
+
+def bench_analyze(short: bool, trees: dict[str, Path], repeat: int) -> dict:
+    requests, events = (4_000, 1_000_000) if short else (40_000, EVENTS)
     root = Path(tempfile.mkdtemp(prefix="kvtrace-bench-an-"))
     try:
         t0 = time.perf_counter()
-        ev = synth(root, requests, io)
+        ev = synth(root, requests, events)
         gen = time.perf_counter() - t0
         hashes = sum(len(x) for x in pq.read_table(root / "prompt_blocks", columns=["hashes"])["hashes"].to_pylist())
-        analyze(root)  # warm the OS cache
-        t0, c0 = time.perf_counter(), time.process_time()
-        rep = analyze(root)
-        dt, dc = time.perf_counter() - t0, time.process_time() - c0
-        return {"events": sum(ev.values()), "rows": ev, "prompt_block_hashes": hashes, "generate_s": round(gen, 2),
-                "analyze_s": round(dt, 3), "analyze_cpu_s": round(dc, 3), "events_per_s": round(sum(ev.values()) / dt),
-                "load_avg_1m": os.getloadavg()[0],
-                "check": {"hit_rate": rep["reuse"]["hit_rate"], "evictions": rep["chunking"]["evictions"]["evictions"],
-                          "rereferenced": rep["chunking"]["evictions"]["rereferenced"], "chunks": rep["timing"]["chunks"]}}
+        out = {}
+        for name, tree in trees.items():  # untimed: OS cache warm, and the figures to check
+            rep = json.loads(_run(tree, ["-m", "kvtrace", "analyze", str(root), "--json"], out=subprocess.PIPE)[2])
+            out[name] = {"check": {"hit_rate": rep["reuse"]["hit_rate"], "evictions": rep["chunking"]["evictions"]["evictions"],
+                                   "rereferenced": rep["chunking"]["evictions"]["rereferenced"],
+                                   "chunks": rep["timing"]["chunks"]}, "runs": []}
+        for _ in range(repeat):
+            for name, tree in trees.items():
+                la = os.getloadavg()[0]
+                dt, cpu, _ = _run(tree, ["-m", "kvtrace", "analyze", str(root)])
+                out[name]["runs"].append({"wall_s": round(dt, 3), "cpu_s": round(cpu, 3), "load_avg_1m": la})
+        n = sum(ev.values())
+        for name, o in out.items():
+            w, c = _summary(o["runs"], "wall_s"), _summary(o["runs"], "cpu_s")
+            o.update({"events": n, "rows": ev, "prompt_block_hashes": hashes, "generate_s": round(gen, 2),
+                      "analyze_s": w["median"], "analyze_best_s": w["min"], "analyze_cpu_s": c["median"], "wall_s": w, "cpu_s": c,
+                      "events_per_s": round(n / w["median"]), "load_avg_1m": statistics.median(r["load_avg_1m"] for r in o["runs"])})
+        return out
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def bench_whatif(short: bool) -> dict:
-    """Replay of groups of requests sharing long prefixes: lookups dominate."""
-    from kvtrace.analysis.whatif import Replay, Req, Workload
+WHATIF = """
+import json, sys, time
+from kvtrace.analysis.whatif import Replay, Req, Workload
+n, blocks = {n}, {blocks}
+reqs = []
+for i in range(n):
+    g = i % 10
+    chain = [(1 << 63) | (g << 24) | j for j in range(blocks - 10)] + [(1 << 62) | (i << 24) | j for j in range(10)]
+    reqs.append(Req(f"r{{i}}", i * 1_000_000_000, blocks * 32, 1, chain))
+wl = Workload(reqs, 32, {{}}, (5e6, 1e3, 1e5), [])
+out = []
+for cache in (blocks * 20, blocks * 60):
+    t0, c0 = time.perf_counter(), time.process_time()
+    s = Replay(wl, 8192, 32, cache).run()
+    dt, dc = time.perf_counter() - t0, time.process_time() - c0
+    out.append({{"cache_blocks": cache, "lookups": s["lookups"], "replay_s": round(dt, 3), "replay_cpu_s": round(dc, 3),
+                "lookups_per_s": round(s["lookups"] / dt), "lookups_per_cpu_s": round(s["lookups"] / dc),
+                "hit_rate": round(s["hit_rate"], 4), "evictions": s["evictions"]}})
+print(json.dumps(out))
+"""
 
+
+def bench_whatif(short: bool, trees: dict[str, Path], repeat: int) -> dict:
+    """Replay of groups of requests sharing long prefixes: lookups dominate."""
     n, blocks = (400, 500) if short else (2_000, 1_000)
-    reqs = []
-    for i in range(n):
-        g = i % 10
-        chain = [(1 << 63) | (g << 24) | j for j in range(blocks - 10)] + [(1 << 62) | (i << 24) | j for j in range(10)]
-        reqs.append(Req(f"r{i}", i * 1_000_000_000, blocks * 32, 1, chain))
-    wl = Workload(reqs, 32, {}, (5e6, 1e3, 1e5), [])
-    out = []
-    for cache in (blocks * 20, blocks * 60):
-        t0, c0 = time.perf_counter(), time.process_time()
-        s = Replay(wl, 8192, 32, cache).run()
-        dt, dc = time.perf_counter() - t0, time.process_time() - c0
-        out.append({"requests": n, "blocks_per_prompt": blocks, "cache_blocks": cache, "lookups": s["lookups"],
-                    "replay_s": round(dt, 3), "replay_cpu_s": round(dc, 3), "lookups_per_s": round(s["lookups"] / dt),
-                    "lookups_per_cpu_s": round(s["lookups"] / dc), "hit_rate": round(s["hit_rate"], 4),
-                    "evictions": s["evictions"]})
-    return {"runs": out, "lookups_per_s": min(r["lookups_per_s"] for r in out),
-            "lookups_per_cpu_s": min(r["lookups_per_cpu_s"] for r in out)}
+    out = {name: {"requests": n, "blocks_per_prompt": blocks, "runs": []} for name in trees}
+    for _ in range(repeat):
+        for name, tree in trees.items():
+            la = os.getloadavg()[0]
+            runs = json.loads(_run(tree, ["-c", WHATIF.format(n=n, blocks=blocks)], out=subprocess.PIPE)[2])
+            out[name]["runs"] += [{**r, "load_avg_1m": la} for r in runs]
+    for o in out.values():
+        r = o["runs"]
+        o.update({"lookups_per_s": round(statistics.median(x["lookups_per_s"] for x in r)),
+                  "lookups_per_s_best": max(x["lookups_per_s"] for x in r),
+                  "lookups_per_cpu_s": round(statistics.median(x["lookups_per_cpu_s"] for x in r)),
+                  "load_avg_1m": statistics.median(x["load_avg_1m"] for x in r)})
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--short", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--repeat", type=int, default=None, help="timed runs per tree (default 3, 1 with --short)")
+    ap.add_argument("--baseline", default=None, help="another kvtrace source tree, measured side by side")
     a = ap.parse_args()
-    res = {"analyze": bench_analyze(a.short), "whatif": bench_whatif(a.short), "cores": os.cpu_count()}
+    repeat = a.repeat or (1 if a.short else 3)
+    trees = {"current": REPO}
+    if a.baseline:
+        trees["baseline"] = Path(a.baseline).resolve()
+    an, wi = bench_analyze(a.short, trees, repeat), bench_whatif(a.short, trees, repeat)
+    res = {"analyze": an.pop("current"), "whatif": wi.pop("current"), "cores": os.cpu_count()}
+    if a.baseline:
+        res["baseline"] = {"tree": str(trees["baseline"]), "analyze": an["baseline"], "whatif": wi["baseline"]}
     text = json.dumps(res, indent=1)
     if a.json:
         Path(a.json).write_text(text + "\n")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import decimal
 import os
+import re
+import threading
 
 import pyarrow as pa
 from pathlib import Path
@@ -26,6 +28,8 @@ def _py(v):
 class Engine:
     name = "?"
     types = {"I": "BIGINT", "F": "DOUBLE", "S": "VARCHAR"}
+    temp = "TEMP "      # views and tables the analysis makes live only as long as the session
+    workers = 1         # figures run at once (threads, each with its own connection)
 
     def q(self, col: str) -> str:
         raise NotImplementedError
@@ -44,7 +48,11 @@ class Engine:
 
     def create(self, name: str, sql: str) -> None:
         """A derived table the figures read (materialized once: several figures share it)."""
-        self.execute(f"CREATE OR REPLACE TEMP VIEW {name} AS {sql}")
+        self.execute(f"CREATE OR REPLACE {self.temp}VIEW {name} AS {sql}")
+
+    def view(self, name: str, sql: str) -> None:
+        """A derived table left as a view: computed again by each query that reads it."""
+        self.execute(f"CREATE OR REPLACE {self.temp}VIEW {name} AS {sql}")
 
     def null(self, kind: str) -> str:
         return f"CAST(NULL AS {self.types[kind]})"
@@ -63,9 +71,9 @@ class Engine:
                     exprs.append(f"CAST({self.q(src)} AS {self.types[kind]}) AS {alias}")
             if files:
                 self.read(f"raw_{table}", files)
-                self.execute(f"CREATE OR REPLACE TEMP VIEW {table} AS SELECT {', '.join(exprs)} FROM raw_{table}")
+                self.execute(f"CREATE OR REPLACE {self.temp}VIEW {table} AS SELECT {', '.join(exprs)} FROM raw_{table}")
             else:
-                self.execute(f"CREATE OR REPLACE TEMP VIEW {table} AS SELECT {', '.join(exprs)} FROM {self.one_row()} WHERE 1 = 0")
+                self.execute(f"CREATE OR REPLACE {self.temp}VIEW {table} AS SELECT {', '.join(exprs)} FROM {self.one_row()} WHERE 1 = 0")
         self.execute(self.explode_sql())
 
     def one_row(self) -> str:
@@ -75,9 +83,35 @@ class Engine:
         raise NotImplementedError
 
 
+# percentile_disc(p) WITHIN GROUP (ORDER BY x), x ascending (an expression without parentheses)
+_PCT = re.compile(r"percentile_disc\(([0-9.]+)\) WITHIN GROUP \(ORDER BY ((?:(?!\s(?:ASC|DESC)\b)[^()])+?)\)", re.I)
+
+
+def _shared_quantiles(sql: str) -> str:
+    """percentile_disc(p) WITHIN GROUP (ORDER BY x), as DuckDB runs it (quantile_disc), with every
+    percentile of one x in the text taken from one list: DuckDB computes identical aggregates once,
+    so the values of x are gathered and selected in one state instead of one state per p."""
+    ps: dict[str, list[str]] = {}
+    for p, x in _PCT.findall(sql):
+        if p not in ps.setdefault(x, []):
+            ps[x].append(p)
+
+    def one(m):
+        p, x = m.group(1), m.group(2)
+        if len(ps[x]) == 1:
+            return f"quantile_disc({x}, {p})"
+        return f"quantile_disc({x}, [{', '.join(ps[x])}])[{ps[x].index(p) + 1}]"
+    return _PCT.sub(one, sql)
+
+
 class DuckDBEngine(Engine):
     name = "duckdb"
     types = {"I": "BIGINT", "F": "DOUBLE", "S": "VARCHAR", "H": "UBIGINT", "HL": "UBIGINT[]"}
+    # The database is this process' own (in memory), so its views and tables need not be TEMP:
+    # that lets the worker connections see them.  Two workers: the kernel tables' figures run
+    # while the hook tables' views are built, and one figure's rows become Python objects while
+    # another query runs.
+    temp = ""
 
     def __init__(self, threads: int | None = None):
         import duckdb
@@ -86,33 +120,59 @@ class DuckDBEngine(Engine):
         self.con.execute("SET enable_progress_bar = false")
         if threads:
             self.con.execute(f"SET threads = {int(threads)}")
+        self.workers = 2
+        self._local = threading.local()
+        self._cursors: list = []
+        self._lock = threading.Lock()
+
+    def _con(self):
+        """The calling thread's connection (a worker thread gets its own cursor on the database)."""
+        if threading.current_thread() is threading.main_thread():
+            return self.con
+        c = getattr(self._local, "con", None)
+        if c is None:
+            with self._lock:
+                c = self.con.cursor()
+                self._cursors.append(c)
+            self._local.con = c
+        return c
 
     def q(self, col: str) -> str:
         return '"' + col.replace('"', '""') + '"'
 
     def read(self, view: str, files: list[Path]) -> None:
         lst = ", ".join("'" + str(p).replace("'", "''") + "'" for p in files)
-        self.con.execute(f"CREATE OR REPLACE TEMP VIEW {view} AS SELECT * FROM read_parquet([{lst}], union_by_name = true)")
+        self.con.execute(f"CREATE OR REPLACE VIEW {view} AS SELECT * FROM read_parquet([{lst}], union_by_name = true)")
 
     def execute(self, sql: str) -> None:
         self.con.execute(sql)
 
     def create(self, name: str, sql: str) -> None:
-        self.con.execute(f"CREATE OR REPLACE TEMP TABLE {name} AS {sql}")
+        self.con.execute(f"CREATE OR REPLACE TABLE {name} AS {_shared_quantiles(sql)}")
 
     def rows(self, sql: str) -> list[dict]:
-        t = self.con.sql(sql).to_arrow_table()
+        t = self._con().sql(_shared_quantiles(sql)).to_arrow_table()
         if any(pa.types.is_decimal(f.type) for f in t.schema):  # SUM of BIGINT is HUGEINT: back to int64
             t = t.cast(pa.schema([pa.field(f.name, (pa.int64() if f.type.scale == 0 else pa.float64())
                                            if pa.types.is_decimal(f.type) else f.type) for f in t.schema]))
         return t.to_pylist()
 
     def explode_sql(self) -> str:
-        return ("CREATE OR REPLACE TEMP VIEW pblock AS SELECT DISTINCT run, pid, request, block_size, idx, hash FROM ("
-                "SELECT run, pid, request, block_size, first_block + generate_subscripts(hashes, 1) - 1 AS idx, "
-                "unnest(hashes) AS hash FROM prompt_blocks) t")
+        # The same rows as the generic DISTINCT over every exploded block, made once (the in-flight
+        # and eviction figures read it four times).  Records are deduplicated first; the blocks of
+        # one record differ in idx, so only requests left with several records can repeat a block
+        # and need the DISTINCT over their blocks.
+        return ("CREATE OR REPLACE TABLE pblock AS "
+                "WITH r AS (SELECT DISTINCT run, pid, request, block_size, first_block, hashes FROM prompt_blocks), "
+                "c AS (SELECT *, COUNT(*) OVER (PARTITION BY run, pid, request, block_size) AS n FROM r), "
+                "e AS (SELECT run, pid, request, block_size, n, first_block + generate_subscripts(hashes, 1) - 1 AS idx, "
+                "unnest(hashes) AS hash FROM c) "
+                "SELECT run, pid, request, block_size, idx, hash FROM e WHERE n = 1 "
+                "UNION ALL SELECT DISTINCT run, pid, request, block_size, idx, hash FROM e WHERE n > 1")
 
     def close(self) -> None:
+        for c in self._cursors:
+            c.close()
         self.con.close()
 
 

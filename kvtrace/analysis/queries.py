@@ -22,9 +22,22 @@ BUCKET_NS = 10_000_000_000
 BUCKET = "CAST(FLOOR({x} / %d) AS BIGINT)" % BUCKET_NS
 
 
+# Views left unmaterialized: as large as a kernel table, and each reader wants other columns of
+# it, so reading the Parquet columns again costs less than storing every row once.
+LAZY = {"fread"}
+
+
 def views(default_block_size: int = 0) -> list[tuple[str, str]]:
     """(name, SELECT) in creation order."""
     return [
+        # file reads on storage, by directory (first: the figures of the kernel tables need
+        # nothing else, so an engine with workers starts them while the rest is made)
+        # (rows sampled 1 in N while the kernel was overloaded carry weight N: counts and bytes use it)
+        ("fdir", f"""SELECT path, regexp_extract(path, '^(.*)/', 1) AS dir FROM (SELECT DISTINCT path FROM file_io) p
+                     WHERE {STORAGE_PATH}"""),
+        ("fread", f"""SELECT d.dir, f.bytes, f.start_ns, f.ts_ns, f.latency_ns, COALESCE(NULLIF(f.weight, 0), 1) AS w
+                     FROM file_io f JOIN fdir d ON d.path = f.path
+                     WHERE f.syscall IN {READS} AND f.ret >= 0"""),
         # admissions, chunks and steps once each (a record sent twice never counts twice)
         ("adm", """SELECT run, pid, step, request, attempt, prompt_len, prefill_len, cached_local, cached_external,
                    tok_start, hit_blocks, resumed FROM (SELECT a.*, ROW_NUMBER() OVER (
@@ -116,12 +129,6 @@ def views(default_block_size: int = 0) -> list[tuple[str, str]]:
                             WHEN idx * bs < cached_local + cached_external THEN 'reloaded'
                             ELSE 'lost' END AS outcome
                      FROM pick WHERE rn = 1"""),
-        # (rows sampled 1 in N while the kernel was overloaded carry weight N: counts and bytes use it)
-        ("fread", f"""SELECT d.dir, f.bytes, f.start_ns, f.ts_ns, f.latency_ns, COALESCE(NULLIF(f.weight, 0), 1) AS w
-                     FROM file_io f JOIN (
-                       SELECT path, regexp_extract(path, '^(.*)/', 1) AS dir FROM (SELECT DISTINCT path FROM file_io) p
-                       WHERE {STORAGE_PATH}) d ON d.path = f.path
-                     WHERE f.syscall IN {READS} AND f.ret >= 0"""),
         # first admissions with their hit and hittable blocks, and the requests in flight when they
         # were admitted that share their first block (chained hashes: any shared block implies it)
         ("ifadm", """SELECT a.run, a.pid, a.request, a.step, z.bs,

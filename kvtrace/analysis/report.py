@@ -5,7 +5,9 @@ the same report; floats are rounded to 6 decimals and integral floats become int
 """
 from __future__ import annotations
 
+import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvtrace.analysis import load, queries
@@ -48,15 +50,49 @@ class Runner:
     def _setup(self) -> None:
         self.eng = make(self.engine_name, self.master)
         self.eng.register(self.inp)
-        for name, sql in queries.views(self.block_size):
+
+    def _view(self, name: str, sql: str) -> None:
+        if name in queries.LAZY:
+            self.eng.view(name, sql)
+        else:
             self.eng.create(name, sql)
+
+    def _figures(self) -> dict[str, list[dict]]:
+        """Every figure's rows.  On an engine with workers, each figure starts as soon as the views
+        it names exist (views are made in order, each after those it reads), beside the views
+        still being made and the other figures."""
+        views = queries.views(self.block_size)
+        if self.eng.workers <= 1:
+            for name, sql in views:
+                self._view(name, sql)
+            return {name: self.eng.rows(sql) for name, sql in queries.FIGURES.items()}
+        names = [n for n, _ in views]
+        need = {f: max((i for i, n in enumerate(names) if re.search(rf"\b{n}\b", sql)), default=-1)
+                for f, sql in queries.FIGURES.items()}
+        pool = ThreadPoolExecutor(self.eng.workers, thread_name_prefix="kvtrace-analyze")
+        futures: dict = {}
+
+        def start(made: int) -> None:
+            for f, sql in queries.FIGURES.items():
+                if f not in futures and need[f] <= made:
+                    futures[f] = pool.submit(self.eng.rows, sql)
+        try:
+            start(-1)
+            for i, (name, sql) in enumerate(views):
+                self._view(name, sql)
+                start(i)
+            return {f: futures[f].result() for f in queries.FIGURES}
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def run(self) -> dict[str, list[dict]]:
         """All figures' rows; a file whose pages an engine cannot decode is found, left out, and the run repeated."""
         for attempt in range(2):
             try:
+                if self.eng is not None:
+                    self.eng.close()
                 self._setup()
-                return {name: self.eng.rows(sql) for name, sql in queries.FIGURES.items()}
+                return self._figures()
             except DatasetError:
                 raise
             except Exception as e:

@@ -26,10 +26,13 @@ recorded-size blocks, and a block of k recorded blocks is named by the hash of i
 """
 from __future__ import annotations
 
+import functools
 import itertools
+import operator
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from itertools import compress, islice, repeat, takewhile
 
 import numpy as np
 import pyarrow as pa
@@ -39,6 +42,12 @@ from kvtrace.analysis import load
 from kvtrace.errors import DatasetError, UsageError
 
 CLOSED_LOOP_NS = 100_000_000
+_not_none = functools.partial(operator.is_not, None)
+
+
+def _ints(x) -> np.ndarray:
+    """Block ids as an int64 array (np.fromiter: a list of Python ints converts faster than np.array)."""
+    return x if isinstance(x, np.ndarray) else np.fromiter(x, np.int64, len(x))
 
 
 @dataclass
@@ -59,6 +68,7 @@ class Req:
     attempt: int = 0
     hashed: int = 0                 # leading blocks already hashed
     admitted: bool = False
+    distinct: bool = True           # no key twice in the prompt (so no block twice in blocks)
     done_ns: int = 0
     first_token_ns: int = 0
     arrived_ns: int = 0
@@ -71,6 +81,12 @@ class Workload:
     recorded: dict
     model: tuple
     notes: list
+
+    def distinct(self) -> dict:
+        """id(chain) -> whether the chain has no hash twice (computed once for every replay)."""
+        if getattr(self, "_distinct", None) is None:
+            self._distinct = {id(r.chain): len(set(r.chain)) == len(r.chain) for r in self.reqs}
+        return self._distinct
 
 
 def _col(t: pa.Table, name: str, default=None):
@@ -220,6 +236,94 @@ class Tier:
             self.keys.popitem(last=False)
 
 
+class FreeQueue:
+    """vLLM's free-block queue: pop from the front, put back at either end, take out from the
+    middle (a hit on an idle cached block), all in order.  Kept as a numpy array of entries
+    version * n + block with lazy removal: a block's entry is live while the block is free and
+    the entry carries the block's current version (bumped each time the block is put back), so
+    taking a request's blocks out or putting them back is a few array operations, not one Python
+    step per block.  Dead entries are skipped at the front, and all dropped at once when they
+    outnumber the live ones."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.ver = np.zeros(n, dtype=np.int64)
+        self.isfree = np.ones(n, dtype=bool)
+        self.count = n
+        self._place(np.arange(n, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return self.count
+
+    def _place(self, live: np.ndarray) -> None:
+        """A new array holding the live entries in order, with room at both ends."""
+        room = max(len(live), self.n) + 4096
+        self.buf = np.empty(len(live) + 2 * room, dtype=np.int64)
+        self.lo, self.hi = room, room + len(live)
+        self.buf[self.lo:self.hi] = live
+
+    def _live(self, e: np.ndarray) -> np.ndarray:
+        b = e % self.n
+        return self.isfree[b] & (self.ver[b] * self.n + b == e)
+
+    def _compact(self) -> None:
+        e = self.buf[self.lo:self.hi]
+        self._place(e[self._live(e)])
+
+    def pop(self, k: int) -> list:
+        """The k blocks at the front, front first (k <= len(self))."""
+        out: list = []
+        while len(out) < k:
+            want = k - len(out)
+            e = self.buf[self.lo:min(self.hi, self.lo + 2 * want + 64)]
+            if not len(e):
+                raise IndexError("pop from an empty free-block queue")
+            idx = np.flatnonzero(self._live(e))[:want]
+            self.lo += int(idx[-1]) + 1 if len(idx) == want else len(e)
+            b = e[idx] % self.n
+            self.isfree[b] = False
+            self.count -= len(b)
+            out.extend(b.tolist())
+        return out
+
+    def _entries(self, bids) -> np.ndarray:
+        bids = _ints(bids)
+        self.ver[bids] += 1
+        self.isfree[bids] = True
+        self.count += len(bids)
+        return self.ver[bids] * self.n + bids
+
+    def extend(self, bids) -> None:
+        """Put distinct blocks (none of them free) at the back, in order."""
+        if not len(bids):
+            return
+        e = self._entries(bids)
+        if self.hi + len(e) > len(self.buf) or self.hi - self.lo > 4 * self.count + 4096:
+            self._compact()
+            if self.hi + len(e) > len(self.buf):
+                self._place(self.buf[self.lo:self.hi])
+        self.buf[self.hi:self.hi + len(e)] = e
+        self.hi += len(e)
+
+    def extend_front(self, bids) -> None:
+        """Put distinct blocks (none of them free) at the front, bids[0] first."""
+        if not len(bids):
+            return
+        e = self._entries(bids)
+        if self.lo < len(e):
+            self._compact()
+            if self.lo < len(e):
+                self._place(self.buf[self.lo:self.hi])
+        self.buf[self.lo - len(e):self.lo] = e
+        self.lo -= len(e)
+
+    def remove(self, bids) -> None:
+        """Take distinct free blocks out of the queue wherever they are."""
+        bids = _ints(bids)
+        self.isfree[bids] = False
+        self.count -= len(bids)
+
+
 class Replay:
     def __init__(self, wl: Workload, chunk: int, block: int, cache_blocks: int, tier: str = "none", max_num_seqs: int = 256):
         if block % wl.block_size:
@@ -232,10 +336,11 @@ class Replay:
         self.tier = Tier(tier)
         self.max_seqs = max_num_seqs
         n = cache_blocks - 1
-        self.free: OrderedDict = OrderedDict((b, None) for b in range(n))
+        self.free = FreeQueue(n)
         self.bhash: list = [None] * n
-        self.ref = [0] * n
+        self.ref = np.zeros(n, dtype=np.int64)
         self.cached: dict = {}               # key -> [block ids holding it]
+        self.head: dict = {}                 # key -> the first of them (the one a hit takes)
         self.ever: set = set()               # keys ever computed (recompute accounting)
         self.stats = dict(requests=0, prompt_tokens=0, hit_local=0, hit_external=0, evictions=0, storage_loads=0,
                           preemptions=0, prefill_tokens=0, recomputed_tokens=0, readmit_hits=0, steps=0, lookups=0)
@@ -243,16 +348,20 @@ class Replay:
     # ---- block pool ----
     def _alloc(self, r: Req, upto: int) -> None:
         """Give r blocks up to index upto (exclusive), evicting cached blocks popped from the free queue."""
-        free, bhash, cached, ref = self.free, self.bhash, self.cached, self.ref
-        for _ in range(upto - len(r.blocks)):
-            bid, _ = free.popitem(last=False)
+        free, bhash, cached, head, ref = self.free, self.bhash, self.cached, self.head, self.ref
+        k0 = upto - len(r.blocks)
+        if k0 <= 0:
+            return
+        for bid in free.pop(k0):
             k = bhash[bid]
             if k is not None:
                 d = cached[k]
                 if len(d) == 1:
                     del cached[k]
+                    del head[k]
                 else:
                     d.remove(bid)
+                    head[k] = d[0]
                 bhash[bid] = None
                 self.stats["evictions"] += 1
             ref[bid] = 1
@@ -274,6 +383,7 @@ class Replay:
                 cached[k].append(bid)
             else:
                 cached[k] = [bid]
+                self.head[k] = bid
             if j >= loaded_upto:
                 if k in ever:
                     self.stats["recomputed_tokens"] += B
@@ -288,17 +398,29 @@ class Replay:
         """Tail first: blocks with a hash to the back of the free queue (LRU), others to the front."""
         ref, bhash, free = self.ref, self.bhash, self.free
         first = []
-        for bid in reversed(r.blocks):
-            c = ref[bid] - 1
-            ref[bid] = c
-            if not c:
-                if bhash[bid] is None:
-                    first.append(bid)
-                else:
-                    free[bid] = None
-        for bid in reversed(first):
-            free[bid] = None
-            free.move_to_end(bid, last=False)
+        if r.distinct:
+            # a request's blocks at once (no block twice among them)
+            tail = np.fromiter(reversed(r.blocks), np.int64, len(r.blocks))
+            ref[tail] -= 1
+            freed = tail[ref[tail] == 0]
+            hs = list(map(bhash.__getitem__, freed.tolist()))
+            if None in hs:
+                freed = freed.tolist()
+                free.extend(list(compress(freed, map(operator.is_not, hs, repeat(None)))))
+                first = list(compress(freed, map(operator.is_, hs, repeat(None))))
+            else:
+                free.extend(freed)
+        else:
+            for bid in reversed(r.blocks):
+                c = ref[bid] - 1
+                ref[bid] = c
+                if not c:
+                    if bhash[bid] is None:
+                        first.append(bid)
+                    else:
+                        free.extend([bid])
+        # unhashed blocks to the front, the request's first of them frontmost
+        free.extend_front(first)
         r.blocks = []
         r.hashed = 0
 
@@ -309,30 +431,37 @@ class Replay:
         cap = (r.num_tokens - 1) // B
         keys = r.keys
         lim = min(cap, len(keys))
-        hit = 0
-        for k in keys[:lim] if lim < len(keys) else keys:
-            if k not in cached:
-                break
-            hit += 1
+        # the longest cached prefix: one lookup per block until the first miss (C iterators, no
+        # Python step per block), giving the block each hit takes
+        hit_blocks = list(takewhile(_not_none, map(self.head.get, islice(keys, lim))))
+        hit = len(hit_blocks)
         self.stats["lookups"] += hit + (1 if hit < lim else 0)
         ext = 0
         if self.tier.on:
-            tk = self.tier.keys
-            while hit + ext < lim and keys[hit + ext] in tk:
-                ext += 1
+            ext = len(list(takewhile(self.tier.keys.__contains__, islice(keys, hit, lim))))
         computed = (hit + ext) * B
         n = min(r.num_tokens - computed, budget)
         ref = self.ref
-        hit_blocks = [cached[k][0] for k in keys[:hit]]
-        evictable = sum(1 for b in hit_blocks if not ref[b])
-        need_all = -(-r.num_tokens // B) - hit + evictable
-        if need_all > len(self.free):
-            return 0
         free = self.free
-        for b in hit_blocks:
-            if not ref[b]:
-                del free[b]
-            ref[b] += 1
+        if r.distinct:
+            hb = _ints(hit_blocks)
+            idle = ref[hb] == 0
+            evictable = int(idle.sum())
+            need_all = -(-r.num_tokens // B) - hit + evictable
+            if need_all > len(free):
+                return 0
+            if evictable:
+                free.remove(hb[idle])
+            ref[hb] += 1
+        else:
+            evictable = sum(1 for b in hit_blocks if not ref[b])
+            need_all = -(-r.num_tokens // B) - hit + evictable
+            if need_all > len(free):
+                return 0
+            for b in hit_blocks:
+                if not ref[b]:
+                    free.remove([b])
+                ref[b] += 1
         r.blocks = hit_blocks
         self._alloc(r, -(-(computed + n) // B))
         if r.attempt == 0 and not r.admitted:
@@ -345,8 +474,8 @@ class Replay:
             self.stats["readmit_hits"] += (hit + ext) * B
         r.admitted = True
         self.stats["storage_loads"] += ext
-        for j in range(hit, hit + ext):
-            self.tier.keys.move_to_end(keys[j])
+        if ext:
+            deque(map(self.tier.keys.move_to_end, keys[hit:hit + ext]), 0)
         r.computed = computed
         r.hashed = hit  # hit blocks carry their hash already
         self._hash_full(r, computed + n, loaded_upto=hit + ext)
@@ -355,8 +484,10 @@ class Replay:
     def run(self) -> dict:
         wl, B, m = self.wl, self.B, self.m
         reqs = [Req(r.rid, r.arrival, r.prompt_len, r.output, r.chain, r.after, r.gap) for r in wl.reqs]
+        distinct = wl.distinct()  # a chain without a repeated hash has none in any slice
         for r in reqs:
             r.keys = r.chain[m - 1::m][: r.prompt_len // B]
+            r.distinct = distinct[id(r.chain)]
             r.num_tokens = r.prompt_len
         a, b, c = wl.model
         pending = sorted((r.arrival, i) for i, r in enumerate(reqs) if r.after < 0)

@@ -322,3 +322,46 @@ def test_sampled_kernel_rows_count_by_weight(tmp_path):
     blk = analyze(root)["storage"]["block_io"][0]
     # 4 sampled reads standing for 3 each; latency percentiles stay those of the rows kept
     assert (blk["ios"], blk["bytes"], blk["busy_ns"], blk["lat_p50"]) == (12, 3 * 16384, 3 * 1_000_000, 200_000)
+
+
+def test_whatif_free_queue_keeps_the_order_of_an_ordered_dict():
+    """The replay's free-block queue (versioned entries, lazy removal, compaction) against the
+    per-block model it stands for: an OrderedDict popped at the front, put back at either end,
+    with blocks taken out of the middle."""
+    import random
+    from collections import OrderedDict
+
+    from kvtrace.analysis.whatif import FreeQueue
+
+    for seed in range(20):
+        rng = random.Random(seed)
+        n = rng.randint(1, 300)
+        fq, od = FreeQueue(n), OrderedDict((b, None) for b in range(n))
+        taken: list = []
+        for _ in range(3000):
+            op = rng.random()
+            if op < 0.3 and od:
+                k = rng.randint(1, min(len(od), 20))
+                want = [od.popitem(last=False)[0] for _ in range(k)]
+                assert fq.pop(k) == want
+                taken += want
+            elif op < 0.5 and od:
+                out = rng.sample(list(od), rng.randint(1, min(len(od), 30)))
+                for b in out:
+                    del od[b]
+                fq.remove(out)
+                taken += out
+            elif taken:
+                rng.shuffle(taken)
+                k = rng.randint(1, len(taken))
+                back, taken = taken[:k], taken[k:]
+                if rng.random() < 0.7:
+                    od.update((b, None) for b in back)
+                    fq.extend(back)
+                else:
+                    for b in reversed(back):
+                        od[b] = None
+                        od.move_to_end(b, last=False)
+                    fq.extend_front(back)
+            assert len(fq) == len(od)
+        assert fq.pop(len(od)) == list(od)
