@@ -122,18 +122,23 @@ class DuckDBEngine(Engine):
             self.con.execute(f"SET threads = {int(threads)}")
         self.workers = 2
         self._local = threading.local()
-        self._cursors: list = []
         self._lock = threading.Lock()
+        # the workers' connections, made here (not while the main connection runs a query)
+        self._cursors: list = [self.con.cursor() for _ in range(self.workers)]
+        self._spare = list(self._cursors)
 
     def _con(self):
-        """The calling thread's connection (a worker thread gets its own cursor on the database)."""
+        """The calling thread's connection (a worker thread gets a cursor of its own on the database)."""
         if threading.current_thread() is threading.main_thread():
             return self.con
         c = getattr(self._local, "con", None)
         if c is None:
             with self._lock:
-                c = self.con.cursor()
-                self._cursors.append(c)
+                if self._spare:
+                    c = self._spare.pop()
+                else:
+                    c = self.con.cursor()
+                    self._cursors.append(c)
             self._local.con = c
         return c
 
