@@ -122,12 +122,12 @@ def _loop(cap: Capture, source, pipeline, server, stop: Stop, gated, echo) -> st
     status = StatusLine(quiet=cap.quiet)
     usermark = "usermark" in cap.plan.attached
     flag = AgentFlag().__enter__() if usermark else None
-    injection = inject_hook(server, cap.inject, usermark, echo)
+    injection = inject_hook(server, cap.inject, usermark, echo, flag)
     watch = None
     if server is not None and server.port is not None:
         from kvtrace.vllm.restart import ServerWatch
 
-        reinject = (lambda new: inject_hook(new, cap.inject, True, echo)) if injection is not None else None
+        reinject = (lambda new: inject_hook(new, cap.inject, True, echo, flag)) if injection is not None else None
         watch = ServerWatch(server, cap.on_restart or "exit", source, pipeline, reinject=reinject,
                             echo=echo, out=cap.out)
         pipeline.add_sidecar(watch)

@@ -11,6 +11,7 @@ and a time comparison per step.
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import time
 
@@ -18,36 +19,75 @@ from kvtrace.hook.wire import CODEC, MAGIC, MAX_FRAME
 
 MARK_FD = -4242
 # A directory with one file per attached agent, named by its pid (several agents may attach at
-# once); a plain file naming one pid is read too.
+# once); a plain file naming one pid is read too.  An agent holds an exclusive flock on its file
+# and writes "PID lock" in it: the lock, not the pid, says it is alive, which holds across pid
+# namespaces (a server in a container sees the entry the agent put in its /dev/shm) and after a
+# SIGKILL (the kernel drops the lock).  Entries without "lock" are judged by their pid.
 FLAG_PATH = os.environ.get("KVTRACE_FLAG", "/dev/shm/kvtrace-agents")
 RECHECK_NS = 1_000_000_000
 
 
+def entry_live(path: str, name: str = "") -> bool:
+    """Whether one flag entry names a live agent (see FLAG_PATH)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        words = os.read(fd, 64).split()
+        if b"lock" in words:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True     # the agent holds its lock
+            except OSError:
+                return False
+            return False        # nobody holds it: the agent is gone
+        pid = int(words[0] if words else name)
+    except (OSError, ValueError):
+        return False
+    finally:
+        os.close(fd)
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False
+
+
 def agent_pids(flag_path: str = FLAG_PATH) -> list[int]:
-    """Live agent pids named by the flag directory (or a flag file)."""
+    """Live agents named by the flag directory (or a flag file), by pid."""
     try:
         names = os.listdir(flag_path)
     except NotADirectoryError:
-        try:
-            with open(flag_path) as f:
-                names = f.read(64).split()[:1]
-        except OSError:
-            return []
+        return [p for p in _file_pid(flag_path) if entry_live(flag_path, str(p))]
     except OSError:
         return []
     live = []
     for name in names:
-        try:
-            pid = int(name)
-            os.kill(pid, 0)
-            live.append(pid)
-        except (OSError, ValueError):
-            pass
+        if name.isdigit() and entry_live(os.path.join(flag_path, name), name):
+            live.append(int(name))
     return sorted(live)
 
 
+def _file_pid(path: str) -> list[int]:
+    try:
+        with open(path) as f:
+            word = f.read(64).split()[:1]
+        return [int(word[0])] if word else []
+    except (OSError, ValueError):
+        return []
+
+
+def owner_live(flag_path: str, owner: int) -> bool:
+    """Whether the agent that injected the hook (its entry in the flag directory) is alive."""
+    if os.path.isdir(flag_path):
+        return entry_live(os.path.join(flag_path, str(owner)), str(owner))
+    return owner in agent_pids(flag_path)
+
+
 def agent_alive(flag_path: str = FLAG_PATH) -> bool:
-    """True when the flag directory names a live agent pid."""
+    """True when the flag directory names a live agent."""
     return bool(agent_pids(flag_path))
 
 

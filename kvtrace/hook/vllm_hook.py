@@ -30,13 +30,13 @@ import threading
 import time
 
 try:
-    from kvtrace.hook.transport import Transport, agent_pids
+    from kvtrace.hook.transport import Transport, agent_pids, owner_live
     from kvtrace.hook.wire import CODEC
 except ImportError:  # imported from a path where kvtrace is not installed: use the sibling files
     _root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, _root)
     try:
-        from kvtrace.hook.transport import Transport, agent_pids
+        from kvtrace.hook.transport import Transport, agent_pids, owner_live
         from kvtrace.hook.wire import CODEC
     finally:
         sys.path.remove(_root)
@@ -270,21 +270,27 @@ def set_owner(pid: int) -> None:
     _OWNER["pid"] = int(pid)
 
 
-def _leave_if_owner_gone() -> None:
+def _leave_if_owner_gone() -> bool:
+    """True when the hook just removed itself because the agent that injected it is gone."""
     pid = _OWNER["pid"]
-    if not pid:
-        return
-    try:
-        os.kill(pid, 0)
-        return
-    except ProcessLookupError:
-        pass
-    except OSError:
-        return
+    if not pid or owner_live(T.flag_path, pid):   # its flag entry: valid across pid namespaces
+        return False
     _OWNER["pid"] = 0
     uninstall()
     _STATUS.update(installed=False, reason=f"the agent that injected the hook (pid {pid}) exited")
     log.info("kvtrace hook removed: its agent (pid %d) exited", pid)
+    return True
+
+
+def _refresh() -> bool:
+    """T.refresh(); and each time it re-reads the flag (once a second), an injected hook whose
+    agent is gone leaves, even while other agents on the host are attached (they trace other
+    processes)."""
+    check = T.next_check
+    on = T.refresh()
+    if T.next_check != check and _OWNER["pid"] and _leave_if_owner_gone():
+        return False
+    return on
 
 
 def _wrap_schedule(orig):
@@ -292,7 +298,7 @@ def _wrap_schedule(orig):
 
     def schedule(self, *args, **kwargs):
         # the flag is re-read at most once per second; otherwise one clock read and two tests
-        if not (T.refresh() if monotonic_ns() >= T.next_check else T.enabled):
+        if not (_refresh() if monotonic_ns() >= T.next_check else T.enabled):
             if S.on:
                 _engine_off()
             return orig(self, *args, **kwargs)
@@ -528,7 +534,7 @@ def _note_evict(pool, bid: int, key: bytes, extra) -> None:
 def _wrap_bind(orig):
     def bind_connector_metadata(self, *args, **kwargs):
         try:
-            if T.refresh():
+            if _refresh():
                 now = time.monotonic_ns()
                 if _new_agent(W) or not W.on:
                     W.on = True

@@ -53,10 +53,11 @@ class InjectionSession:
         return Injected(pid, role, installed, bool(rep.get("reused")), reason)
 
     def uninstall(self) -> list[Injected]:
-        """Remove the hook wherever it was installed and the process still runs."""
+        """Remove the hook wherever this session installed it and the process still runs; a
+        hook that was already active (the plugin's, or another agent's) stays."""
         out = []
         for r in self.results:
-            if r.installed and psutil.pid_exists(r.pid):
+            if r.installed and not r.reused and psutil.pid_exists(r.pid):
                 out.append(self._one(r.pid, r.role, "uninstall"))
         return out
 
@@ -65,9 +66,10 @@ class InjectionSession:
         return [f"{r.role} {r.pid}: no vLLM hook ({r.reason})" for r in self.results if not r.installed]
 
 
-def inject_hook(server, inject: bool, usermark: bool, echo) -> InjectionSession | None:
+def inject_hook(server, inject: bool, usermark: bool, echo, flag=None) -> InjectionSession | None:
     """Inject the vLLM hook for a capture (unless refused or --no-inject); say through ``echo``
-    which signals are missing and why."""
+    which signals are missing and why.  ``flag``: the capture's AgentFlag, also put where a
+    server in its own mount namespace (a container) looks for it."""
     if server is None:
         return None
     if not inject or not usermark:
@@ -76,6 +78,9 @@ def inject_hook(server, inject: bool, usermark: bool, echo) -> InjectionSession 
              "kernel probes, KV events and /metrics still run")
         return None
     session = InjectionSession(server)
+    if flag is not None:
+        for pid, _ in session.targets():
+            flag.add_root(f"/proc/{pid}/root")
     try:
         results = session.install()
     except TargetError as e:

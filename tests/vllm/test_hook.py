@@ -477,3 +477,31 @@ def test_records_never_carry_token_ids():
     for name, fields in RECORDS.values():
         assert not any("token" in f and f not in ("total_tokens", "prefill_tokens", "decode_tokens", "num_tokens")
                        for f, _ in fields), name
+
+
+@pytest.mark.root
+def test_attach_keeps_the_plugins_hook(hooked_server, tmp_path):
+    """`kvtrace attach --port` on a server whose plugin hook is active uses it (no second hook)
+    and leaves it in place at detach: the plugin's hook is the server's, not the agent's."""
+    from kvtrace.inject import injector
+
+    srv = hooked_server.server
+    proc = subprocess.Popen([sys.executable, "-m", "kvtrace", "attach", "--quiet", "--port", str(srv.port),
+                             "--out", str(tmp_path / "ds")], stderr=subprocess.PIPE, text=True)
+    lines = []
+    while not any("vLLM hook" in line and "engine" in line for line in lines):
+        line = proc.stderr.readline()
+        assert line, "".join(lines)
+        lines.append(line)
+    assert any("already active in engine" in line for line in lines), lines
+    hooked_server.post(list(range(100, 400)), "keep-plugin-0")
+    proc.send_signal(signal.SIGINT)
+    _, rest = proc.communicate(timeout=120)
+    assert proc.returncode == 0, "".join(lines) + rest
+    engine = srv.processes()["engine"][0]
+    state = injector.hook(engine, "status")
+    assert state["status"]["installed"] is True, state
+    from kvtrace.dataset.reader import Dataset
+
+    steps = Dataset.open(tmp_path / "ds").table("step").to_pylist()
+    assert steps and len({s["step"] for s in steps}) == len(steps)   # one hook: no step twice

@@ -1,0 +1,92 @@
+"""The agent's flag as the hook judges it: alive while the agent holds its lock, gone once the
+agent exits however it exits (SIGKILL included), whatever the pid means in the reader's pid
+namespace; and put inside another filesystem root (a container's /dev/shm) on request."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from kvtrace.agentflag import AgentFlag
+from kvtrace.hook import transport
+
+
+def test_entry_is_alive_while_the_lock_is_held(tmp_path):
+    d = str(tmp_path / "agents")
+    with AgentFlag(d) as flag:
+        entry = os.path.join(d, str(os.getpid()))
+        assert open(entry).read() == f"{os.getpid()} lock\n"
+        assert transport.agent_pids(d) == [os.getpid()] and transport.agent_alive(d)
+        assert transport.owner_live(d, os.getpid()) and not transport.owner_live(d, os.getpid() + 1)
+        assert oct(os.stat(d).st_mode & 0o777) == "0o755" and flag.held
+    assert not os.path.exists(entry) and transport.agent_pids(d) == []
+    assert not transport.owner_live(d, os.getpid())
+
+
+def test_a_sigkilled_agent_is_gone_though_its_file_stays(tmp_path):
+    d = str(tmp_path / "agents")
+    code = ("import sys, time; from kvtrace.agentflag import AgentFlag; AgentFlag(sys.argv[1]).__enter__(); "
+            "print('ready', flush=True); time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code, d], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        assert transport.agent_pids(d) == [p.pid] and transport.owner_live(d, p.pid)
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+    finally:
+        p.kill()
+    assert os.path.exists(os.path.join(d, str(p.pid)))   # left behind ...
+    assert transport.agent_pids(d) == [] and not transport.owner_live(d, p.pid)   # ... and judged gone
+
+
+def test_lock_beats_the_pid_a_container_might_reuse(tmp_path):
+    """An unlocked "PID lock" entry is gone even when that pid is alive here (in a container's
+    pid namespace the agent's pid may be some other live process)."""
+    d = tmp_path / "agents"
+    d.mkdir()
+    (d / str(os.getpid())).write_text(f"{os.getpid()} lock\n")
+    assert transport.agent_pids(str(d)) == []
+    # a plain entry (no lock word) is judged by its pid, as hand-written flags in tests are
+    (d / str(os.getpid())).write_text(f"{os.getpid()}\n")
+    assert transport.agent_pids(str(d)) == [os.getpid()]
+    (d / "999999999").write_text("")
+    assert transport.agent_pids(str(d)) == [os.getpid()]
+
+
+def test_a_flag_file_names_one_pid(tmp_path):
+    f = tmp_path / "flag"
+    f.write_text(f"{os.getpid()}\n")
+    assert transport.agent_pids(str(f)) == [os.getpid()] and transport.owner_live(str(f), os.getpid())
+    f.write_text("garbage\n")
+    assert transport.agent_pids(str(f)) == []
+
+
+def test_add_root_flags_the_agent_inside_another_root_once(tmp_path):
+    d = str(tmp_path / "host" / "shm" / "agents")
+    root = tmp_path / "ctr"
+    (root / str(tmp_path / "host" / "shm").lstrip("/")).mkdir(parents=True)
+    with AgentFlag(d) as flag:
+        assert flag.add_root("/") is False                       # our own root: the flag is there
+        assert flag.add_root(str(root)) is True
+        assert flag.add_root(str(root)) is False                 # once per directory
+        inside = str(root) + d
+        assert transport.agent_pids(inside) == [os.getpid()]
+        assert transport.owner_live(inside, os.getpid())
+    assert transport.agent_pids(inside) == [] and not os.listdir(inside)
+
+
+def test_checking_leaves_no_lock_behind(tmp_path):
+    """The hook's check takes a shared lock only to test it and drops it at once."""
+    import fcntl
+
+    d = tmp_path / "agents"
+    d.mkdir()
+    entry = d / "12345"
+    entry.write_text("12345 lock\n")           # stale: nobody holds it
+    assert not transport.agent_alive(str(d))
+    fd = os.open(entry, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # would raise if the check kept its lock
+    finally:
+        os.close(fd)
