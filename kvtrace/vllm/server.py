@@ -64,7 +64,7 @@ class VllmServer:
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
 
-    def start(self, timeout: float = 300.0) -> "VllmServer":
+    def start(self, timeout: float = 600.0) -> "VllmServer":
         self.port = self.port or free_port()
         self.workdir = Path(self.workdir or tempfile.mkdtemp(prefix="kvtrace-vllm-"))
         model = write_tiny_model(self.workdir / "tiny-llama")

@@ -45,7 +45,7 @@ def ns_server():
     wrapper.chmod(0o755)
     server = VllmServer(args=list(SERVER_ARGS), port=free_port(8140, 8159), python=str(wrapper),
                         env={"VLLM_PLUGINS": "", "VLLM_SERVER_DEV_MODE": "1"}, workdir=workdir)
-    server.start(timeout=900)   # a loaded CI machine: start-up has taken over 5 minutes
+    server.start()
     try:
         yield server
     finally:
