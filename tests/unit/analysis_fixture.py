@@ -168,3 +168,22 @@ def png_pixels(path: Path) -> tuple[int, int, list[bytes]]:
         rows.append(bytes(line))
         prev = line
     return w, h, [bytes(r[i:i + 3]) for r in rows for i in range(0, stride, bpp)]
+
+
+def assert_spark_report_equals(ds, rep: dict) -> None:
+    """The Spark engine's report on ``ds`` equals ``rep`` (DuckDB's) but for engine and time;
+    skipped with the reason where pyspark or Java is missing."""
+    import os
+    import shutil
+
+    import pytest
+
+    from kvtrace.analysis.report import analyze
+
+    pytest.importorskip("pyspark", reason="needs pyspark: pip install 'kvtrace[spark]'")
+    if not shutil.which("java") and not os.environ.get("JAVA_HOME"):
+        pytest.skip("needs Java 17+ for Spark")
+    a, b = dict(rep), dict(analyze(ds, engine="spark"))
+    for k in ("engine", "elapsed_s"):
+        a.pop(k), b.pop(k)
+    assert a == b

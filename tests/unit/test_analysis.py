@@ -299,14 +299,7 @@ def test_whatif_block_size_multiple(tmp_path):
 
 
 def test_spark_report_equals_duckdb(ds, rep):
-    pytest.importorskip("pyspark", reason="needs pyspark: pip install 'kvtrace[spark]'")
-    if not shutil.which("java") and not os.environ.get("JAVA_HOME"):
-        pytest.skip("needs Java 17+ for Spark")
-    sp = analyze(ds, engine="spark")
-    a, b = dict(rep), dict(sp)
-    for k in ("engine", "elapsed_s"):
-        a.pop(k), b.pop(k)
-    assert a == b
+    fx.assert_spark_report_equals(ds, rep)
 
 
 def test_sampled_kernel_rows_count_by_weight(tmp_path):

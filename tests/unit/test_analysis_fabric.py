@@ -4,8 +4,6 @@ NIC counter deltas of their step's window.  The constructed dataset of test_anal
 number below is worked out by hand.  DuckDB and Spark give the same report.  No root."""
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -92,11 +90,4 @@ def test_without_nvme_or_nic_tables_the_section_is_empty(tmp_path):
 
 
 def test_spark_gives_the_same_section(ds, rep):
-    pytest.importorskip("pyspark", reason="needs pyspark: pip install 'kvtrace[spark]'")
-    if not shutil.which("java") and not os.environ.get("JAVA_HOME"):
-        pytest.skip("needs Java 17+ for Spark")
-    sp = analyze(ds, engine="spark")
-    a, b = dict(rep), dict(sp)
-    for k in ("engine", "elapsed_s"):
-        a.pop(k), b.pop(k)
-    assert a == b
+    fx.assert_spark_report_equals(ds, rep)
