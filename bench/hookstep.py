@@ -24,13 +24,6 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
-    "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 8192,
-    "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2,
-    "tie_word_embeddings": False,
-}
 BLOCK, BLOCKS, BUDGET = 32, 122, 256
 
 
@@ -43,9 +36,9 @@ def make_scheduler_factory():
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    model = tempfile.mkdtemp(prefix="kvtrace-hookstep-")
-    with open(os.path.join(model, "config.json"), "w") as f:
-        json.dump(TINY_LLAMA, f)
+    from kvtrace.vllm.server import write_tiny_model   # the tests' and the demo's model
+
+    model = str(write_tiny_model(tempfile.mkdtemp(prefix="kvtrace-hookstep-")))
     args = EngineArgs(model=model, load_format="dummy", skip_tokenizer_init=True, block_size=BLOCK,
                       enable_prefix_caching=True, max_num_batched_tokens=BUDGET, max_model_len=2048,
                       num_gpu_blocks_override=BLOCKS)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from vllmbench import PY, ROOT, Agent, free_port, kvtrace_importable_env, one_round, requests, spread  # noqa: E402
 
-from kvtrace.vllm.server import VllmServer, vllm_python  # noqa: E402
+from kvtrace.vllm.server import VllmServer, demo_args, vllm_python  # noqa: E402
 
 SETTLE_S = 3.0
 
@@ -37,13 +37,7 @@ SETTLE_S = 3.0
 def start_server(work: Path) -> VllmServer:
     port = free_port()
     zport = free_port(avoid=(port,))
-    kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{zport}"}
-    connector = {"kv_connector": "KvtraceFileConnector", "kv_role": "kv_both",
-                 "kv_connector_module_path": "kvtrace.vllm.fileconnector",
-                 "kv_connector_extra_config": {"path": str(work / "kv-blocks")}}
-    args = ["--block-size", "32", "--enable-prefix-caching", "--max-num-batched-tokens", "256",
-            "--num-gpu-blocks-override", "122", "--max-model-len", "2048", "--enable-prompt-tokens-details",
-            "--kv-events-config", json.dumps(kv_events), "--kv-transfer-config", json.dumps(connector)]
+    args = demo_args(work, zport)   # the demo's server
     # no plugin: the hook gets in by live injection on each attach, and leaves on each detach
     env = {"VLLM_PLUGINS": "", "VLLM_SERVER_DEV_MODE": "1", **kvtrace_importable_env()}  # the file connector
     return VllmServer(args=args, port=port, env=env, workdir=work).start()

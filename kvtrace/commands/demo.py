@@ -72,17 +72,11 @@ def vllm_demo(out: Path) -> int:
 
     from kvtrace.dataset.reader import Dataset
     from kvtrace.vllm import workload
-    from kvtrace.vllm.server import VllmServer, free_port
+    from kvtrace.vllm.server import VllmServer, demo_args, free_port
 
     work = Path(tempfile.mkdtemp(prefix="kvtrace-demo-vllm-"))
     zport = free_port()
-    kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{zport}"}
-    connector = {"kv_connector": "KvtraceFileConnector", "kv_role": "kv_both",
-                 "kv_connector_module_path": "kvtrace.vllm.fileconnector",
-                 "kv_connector_extra_config": {"path": str(work / "kv-blocks")}}
-    args = ["--block-size", "32", "--enable-prefix-caching", "--max-num-batched-tokens", "256",
-            "--num-gpu-blocks-override", "122", "--max-model-len", "2048", "--enable-prompt-tokens-details",
-            "--kv-events-config", json.dumps(kv_events), "--kv-transfer-config", json.dumps(connector)]
+    args = demo_args(work, zport)
     click.echo("kvtrace demo: starting a vLLM CPU server (tiny random-weight Llama; about a minute)...")
     server = VllmServer(args=args, env={"VLLM_PLUGINS": ""}, workdir=work)
     server.start()

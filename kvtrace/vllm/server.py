@@ -46,6 +46,19 @@ def write_tiny_model(directory: str | os.PathLike) -> Path:
     return d
 
 
+def demo_args(work: str | os.PathLike, kv_events_port: int) -> list[str]:
+    """vLLM arguments of the demo's server: 32-token blocks, prefix caching, a 256-token chunk
+    budget, a 122-block cache (small enough to evict), KV events published on
+    ``kv_events_port``, and kvtrace's file connector storing blocks under ``work``/kv-blocks."""
+    kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{kv_events_port}"}
+    connector = {"kv_connector": "KvtraceFileConnector", "kv_role": "kv_both",
+                 "kv_connector_module_path": "kvtrace.vllm.fileconnector",
+                 "kv_connector_extra_config": {"path": str(Path(work) / "kv-blocks")}}
+    return ["--block-size", "32", "--enable-prefix-caching", "--max-num-batched-tokens", "256",
+            "--num-gpu-blocks-override", "122", "--max-model-len", "2048", "--enable-prompt-tokens-details",
+            "--kv-events-config", json.dumps(kv_events), "--kv-transfer-config", json.dumps(connector)]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
