@@ -32,6 +32,7 @@
 
 #define KV_NVME_REC_CMD     0
 #define KV_NVME_REC_AEN     1
+#define KV_NVME_REC_UNSEEN  2   /* a command that ended without its completion traced (see nvme_setup_cmd) */
 
 #define KV_NVME_ISSUER_NONE  0
 #define KV_NVME_ISSUER_BLOCK 1
@@ -129,6 +130,7 @@ struct kv_nvme_qstat {
     u64 errors;           /* status != 0 */
     u64 retried;          /* completions with retries > 0 */
     u64 unmatched;        /* completions whose setup was not seen */
+    u64 unseen;           /* of completions: commands that ended without the probe seeing it */
     u64 sq_samples;
     u64 sq_occ_sum;
     u32 sq_occ_max;       /* the largest occupancy seen in flush interval sq_epoch */
@@ -231,6 +233,88 @@ static __always_inline struct kv_nvme_qstat *kv_nvme_qstat(u32 ctrl_id, u16 qid,
     return q;
 }
 
+/* One command ended: its totals (seen: its completion was traced, with this status and
+ * latency; else it ended untraced, counted in `unseen` with its bytes as if successful). */
+static __always_inline void kv_nvme_count(struct kv_nvme_key *k, struct kv_nvme_start *st, u8 opclass,
+                                          u16 status, u8 retries, u64 lat, int seen)
+{
+    struct kv_nvme_qstat *q = kv_nvme_qstat(k->ctrl_id, k->qid, opclass);
+    if (!q)
+        return;
+    __sync_fetch_and_add(&q->completions, 1);
+    if (seen)
+        __sync_fetch_and_add(&q->latency_ns, lat);
+    else
+        __sync_fetch_and_add(&q->unseen, 1);
+    if (status == 0) {
+        __sync_fetch_and_add(&q->bytes, st->bytes);
+        if ((st->xflags & KV_NVME_X_NS_UNKNOWN) && st->bytes) {
+            struct kv_nvme_fkey fk = {};
+            fk.ctrl_id = k->ctrl_id;
+            fk.nsid = st->nsid;
+            fk.qid = k->qid;
+            fk.opclass = opclass;
+            u64 fzero = 0;
+            u64 *blocks = nvme_lbafix.lookup_or_try_init(&fk, &fzero);
+            if (blocks) {
+                __sync_fetch_and_add(blocks, st->nlb);
+            } else {
+                u32 i = 2;
+                u64 *d = nvme_drops.lookup(&i);
+                if (d)
+                    __sync_fetch_and_add(d, 1);
+            }
+        }
+    } else
+        __sync_fetch_and_add(&q->errors, 1);
+    if (retries)
+        __sync_fetch_and_add(&q->retried, 1);
+}
+
+/* A per-command event reserved and filled from the setup record; the caller sets status,
+ * flags, retries and disk, and submits it. */
+static __always_inline struct kv_nvme_event *kv_nvme_event(struct kv_nvme_key *k, struct kv_nvme_start *st,
+                                                           u64 now, u8 opclass, u8 rec, u32 weight)
+{
+    struct kv_nvme_event *e = events.ringbuf_reserve(sizeof(struct kv_nvme_event));
+    if (!e) {
+        kv_count_lost(KV_KIND_NVME);
+        return 0;
+    }
+    kv_fill_hdr(&e->h, KV_KIND_NVME, sizeof(*e), st->tgid, st->tid);
+    e->h.ts = now;
+    e->ts_setup = st->ts;
+    e->slba = st->slba;
+    e->result = 0;
+    e->ctrl_id = k->ctrl_id;
+    e->nsid = st->nsid;
+    e->nlb = st->nlb;
+    e->bytes = st->bytes;
+    e->weight = weight;
+    e->qid = k->qid;
+    e->cid = st->cid;
+    e->status = 0;
+    e->sq_occ = 0xffff;
+    struct kv_nvme_qkey ok = {};
+    ok.ctrl_id = k->ctrl_id;
+    ok.qid = k->qid;
+    u32 *occ = nvme_sqocc.lookup(&ok);
+    if (occ && rec == KV_NVME_REC_CMD)
+        e->sq_occ = *occ;
+    e->opcode = st->opcode;
+    e->fctype = st->fctype;
+    e->flags = 0;
+    e->retries = 0;
+    e->rec = rec;
+    e->issuer = st->issuer;
+    e->opclass = opclass;
+    e->xflags = st->xflags;
+    e->setup_tid = st->setup_tid;
+    __builtin_memset(e->disk, 0, sizeof(e->disk));
+    __builtin_memcpy(e->comm, st->comm, sizeof(e->comm));
+    return e;
+}
+
 TRACEPOINT_PROBE(nvme, nvme_setup_cmd)
 {
     int qid = args->qid;
@@ -295,6 +379,19 @@ TRACEPOINT_PROBE(nvme, nvme_setup_cmd)
         s.tid = (u32)id;
         bpf_get_current_comm(&s.comm, sizeof(s.comm));
         s.issuer = KV_NVME_ISSUER_SETUP;
+    }
+    struct kv_nvme_start *prev = nvme_start.lookup(&k);
+    if (prev) {
+        /* The tag is set up again, so its previous command ended, but the probe did not run
+         * for that completion: the kernel skips a tracepoint's BPF program that interrupts
+         * another on the same CPU (a completion in softirq on top of a traced syscall).
+         * Counted as ended, unseen; always emitted (rare, weight 1). */
+        struct kv_nvme_start old = *prev;
+        u8 oc = kv_nvme_opclass(qid, old.opcode);
+        kv_nvme_count(&k, &old, oc, 0, 0, 0, 0);
+        struct kv_nvme_event *e = kv_nvme_event(&k, &old, s.ts, oc, KV_NVME_REC_UNSEEN, 1);
+        if (e)
+            events.ringbuf_submit(e, 0);
     }
     nvme_start.update(&k, &s);
     struct kv_nvme_qstat *q = kv_nvme_qstat(k.ctrl_id, k.qid, kv_nvme_opclass(qid, opcode));
@@ -362,35 +459,8 @@ TRACEPOINT_PROBE(nvme, nvme_complete_rq)
     u16 status = args->status;
     u8 retries = args->retries;
     u8 opclass = kv_nvme_opclass(k.qid, st.opcode);
+    kv_nvme_count(&k, &st, opclass, status, retries, lat, 1);
 
-    struct kv_nvme_qstat *q = kv_nvme_qstat(k.ctrl_id, k.qid, opclass);
-    if (q) {
-        __sync_fetch_and_add(&q->completions, 1);
-        __sync_fetch_and_add(&q->latency_ns, lat);
-        if (status == 0) {
-            __sync_fetch_and_add(&q->bytes, st.bytes);
-            if ((st.xflags & KV_NVME_X_NS_UNKNOWN) && st.bytes) {
-                struct kv_nvme_fkey fk = {};
-                fk.ctrl_id = k.ctrl_id;
-                fk.nsid = st.nsid;
-                fk.qid = k.qid;
-                fk.opclass = opclass;
-                u64 fzero = 0;
-                u64 *blocks = nvme_lbafix.lookup_or_try_init(&fk, &fzero);
-                if (blocks) {
-                    __sync_fetch_and_add(blocks, st.nlb);
-                } else {
-                    u32 i = 2;
-                    u64 *d = nvme_drops.lookup(&i);
-                    if (d)
-                        __sync_fetch_and_add(d, 1);
-                }
-            }
-        } else
-            __sync_fetch_and_add(&q->errors, 1);
-        if (retries)
-            __sync_fetch_and_add(&q->retried, 1);
-    }
     struct kv_nvme_hkey hk = {};
     hk.ctrl_id = k.ctrl_id;
     hk.qid = k.qid;
@@ -410,46 +480,15 @@ TRACEPOINT_PROBE(nvme, nvme_complete_rq)
     u32 weight = kv_nvme_sample(now, lat, status, retries);
     if (!weight)
         return 0;
-    struct kv_nvme_event *e = events.ringbuf_reserve(sizeof(struct kv_nvme_event));
-    if (!e) {
-        kv_count_lost(KV_KIND_NVME);
+    struct kv_nvme_event *e = kv_nvme_event(&k, &st, now, opclass, KV_NVME_REC_CMD, weight);
+    if (!e)
         return 0;
-    }
-    kv_fill_hdr(&e->h, KV_KIND_NVME, sizeof(*e), st.tgid, st.tid);
-    e->h.ts = now;
-    e->ts_setup = st.ts;
-    e->slba = st.slba;
-    e->result = 0;
-    e->ctrl_id = k.ctrl_id;
-    e->nsid = st.nsid;
-    e->nlb = st.nlb;
-    e->bytes = st.bytes;
-    e->weight = weight;
-    e->qid = k.qid;
-    e->cid = st.cid;
     e->status = status;
-    e->sq_occ = 0xffff;
-    struct kv_nvme_qkey ok = {};
-    ok.ctrl_id = k.ctrl_id;
-    ok.qid = k.qid;
-    u32 *occ = nvme_sqocc.lookup(&ok);
-    if (occ)
-        e->sq_occ = *occ;
-    e->opcode = st.opcode;
-    e->fctype = st.fctype;
     e->flags = args->flags;
     e->retries = retries;
-    e->rec = KV_NVME_REC_CMD;
-    e->issuer = st.issuer;
-    e->opclass = opclass;
-    e->xflags = st.xflags;
-    e->setup_tid = st.setup_tid;
 #ifdef KV_NVME_HAVE_DISK
     bpf_probe_read_kernel(e->disk, sizeof(e->disk), (void *)args->disk);
-#else
-    __builtin_memset(e->disk, 0, sizeof(e->disk));
 #endif
-    __builtin_memcpy(e->comm, st.comm, sizeof(e->comm));
     events.ringbuf_submit(e, 0);
     return 0;
 }

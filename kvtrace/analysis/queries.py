@@ -273,6 +273,7 @@ FIGURES: dict[str, str] = {
           WHERE op = 'R' AND (error = 0 OR error IS NULL)
           UNION ALL SELECT 'nvme' AS source, ctrl || ' q' || CAST(qid AS STRING) AS device,
                  {LAT_BUCKET.format(x='latency_ns')} AS bucket, COALESCE(NULLIF(weight, 0), 1) AS w FROM nvme_cmd
+          WHERE latency_ns IS NOT NULL
           UNION ALL SELECT 'file' AS source, dir AS device, {LAT_BUCKET.format(x='latency_ns')} AS bucket, w FROM fread
           UNION ALL SELECT 'kv_load' AS source, source AS device, {LAT_BUCKET.format(x='t_end_ns - t_start_ns')} AS bucket,
           1 AS w FROM kv_load WHERE request <> '') t GROUP BY source, device, bucket ORDER BY source, device, bucket""",

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from kvtrace.capture import fileio, iouring
+from kvtrace.capture import fileio, iouring, settle
 from kvtrace.capture.events import KIND_BLOCK, KIND_FILEIO, KIND_URING, NKINDS
 from kvtrace.dataset import schema
 
@@ -112,8 +112,10 @@ class AggMaps:
     name = "io_agg"
 
     def __init__(self, tables: dict, kinds: list[int], ctx=None, mode: str | int = "auto", echo=None,
-                 clock=time.monotonic):
-        self.t = tables          # agg_stats, agg_hist, agg_drops, sample_cfg, lost, lost_weight
+                 clock=time.monotonic, root: str = "/"):
+        self.t = tables          # agg_stats, agg_hist, agg_drops, sample_cfg, lost, lost_weight, block_start
+        self.root = root
+        self.pending: dict[str, pa.Table] = {}   # rows settled at the stop (kvtrace.capture.settle)
         self.kinds = [k for k in kinds if k in TABLES]
         self.ctx = ctx
         self.mode = mode
@@ -324,7 +326,7 @@ class AggMaps:
             self.c["hist_map_full"] = sum(drops.get(NKINDS + k, 0) for k in self.kinds)
         self.c["flushes"] += 1
         self.control(counts, interval_s)
-        out = {}
+        out, self.pending = self.pending, {}
         for name, cols in (*rows.items(), *hist.items()):
             if cols["ts_ns"]:
                 sch = schema.TABLES[name]
@@ -351,7 +353,22 @@ class AggMaps:
         return {"sampling": str(self.mode), **self.c}
 
     def close(self) -> None:
-        """Nothing to stop: the maps are read once more by the last flush."""
+        """At a clean stop, before the last flush (the probes still attached): block requests the
+        probe still holds as issued, on a disk with nothing in flight, ended without their
+        completion traced; the last flush writes them as block_io rows without latency
+        (block_agg counts what the probe saw complete)."""
+        if KIND_BLOCK not in self.state or "block_start" not in self.t or self.ctx is None:
+            return
+        try:
+            ended, still = settle.block_requests(self.t["block_start"], self.ctx, self.root)
+            rows = settle.block_rows(ended, time.monotonic_ns(), self.ctx)
+        except Exception:
+            self.c["settle_errors"] += 1
+            return
+        if rows is not None:
+            self.pending["block_io"] = rows
+        self.c["block_unseen_at_stop"] = len(ended)
+        self.c["block_open_at_stop"] = still
 
 
 def start(pipeline, source, mode: str | int = "auto", echo=None) -> AggMaps | None:
@@ -361,7 +378,7 @@ def start(pipeline, source, mode: str | int = "auto", echo=None) -> AggMaps | No
     if not kinds or bpf is None:
         return None
     tables = {}
-    for n in ("agg_stats", "agg_hist", "agg_drops", "sample_cfg", "lost", "lost_weight"):
+    for n in ("agg_stats", "agg_hist", "agg_drops", "sample_cfg", "lost", "lost_weight", "block_start"):
         try:
             tables[n] = bpf[n]
         except Exception:

@@ -53,7 +53,8 @@ DTYPE = struct_dtype(
 # KV_NVME_OP_* (probes/nvme.bpf.c)
 OPCLASSES = ["read", "write", "flush", "other", "admin", "fabrics", "unknown", "queue"]
 OP_UNKNOWN, OP_QUEUE = 6, 7
-REC_CMD, REC_AEN = 0, 1
+REC_CMD, REC_AEN, REC_UNSEEN = 0, 1, 2   # REC_UNSEEN: a command that ended without its completion traced
+UNSEEN_TEXT = "ended, completion not traced"
 X_NS_UNKNOWN = 0x1   # KV_NVME_X_NS_UNKNOWN: the namespace was not in nvme_ns at setup (bytes = nlb << 9)
 ISSUERS = ["", "block", "setup"]
 MODES = {"sampled": 0, "all": 1, "none": 2}
@@ -224,13 +225,25 @@ def command_bytes(cmd: np.ndarray, ctx: DecodeContext) -> np.ndarray:
     return out
 
 
+def _disks(cmd: np.ndarray, unseen: np.ndarray, ctx: DecodeContext) -> list[str]:
+    """The disk each command was on: from the completion, or for one that ended untraced (no
+    completion record) the namespace's disk in the topology."""
+    out = cstr(cmd["disk"])
+    if unseen.any():
+        ctrls = getattr(ctx, "nvme_ctrls", None) or {}
+        for i in np.flatnonzero(unseen).tolist():
+            c = ctrls.get(int(cmd["ctrl_id"][i]))
+            out[i] = next((ns.disk for ns in (c.namespaces if c else ()) if ns.nsid == int(cmd["nsid"][i])), "")
+    return out
+
+
 def decode(raw: list[bytes], ctx: DecodeContext) -> dict[str, pa.Table]:
     a = decode_array(raw, DTYPE)
     out = {}
-    cmd = a[a["rec"] == REC_CMD]
+    cmd = a[(a["rec"] == REC_CMD) | (a["rec"] == REC_UNSEEN)]
     aen = a[a["rec"] == REC_AEN]
     if len(a):
-        unknown = (a["rec"] == REC_CMD) & ((a["xflags"] & X_NS_UNKNOWN) != 0)
+        unknown = (a["rec"] != REC_AEN) & ((a["xflags"] & X_NS_UNKNOWN) != 0)
         want_topology(ctx, np.unique(a["ctrl_id"]).tolist(),
                       set(zip(a["ctrl_id"][unknown].tolist(), a["nsid"][unknown].tolist())))
     if len(cmd):
@@ -238,12 +251,13 @@ def decode(raw: list[bytes], ctx: DecodeContext) -> dict[str, pa.Table]:
         start = cmd["ts_setup"].astype(np.int64)
         qid, opc, fct = cmd["qid"].tolist(), cmd["opcode"].tolist(), cmd["fctype"].tolist()
         status = cmd["status"].tolist()
+        unseen = cmd["rec"] == REC_UNSEEN   # no completion: no latency, no status
         occ = cmd["sq_occ"]
         transport, traddr = _topo_cols(ctx, cmd["ctrl_id"])
         out[TABLE] = pa.table({
             "ts_ns": pa.array(cmd["ts"], pa.uint64()),
             "setup_ns": pa.array(cmd["ts_setup"], pa.uint64()),
-            "latency_ns": pa.array(end - start, pa.int64()),
+            "latency_ns": pa.array(end - start, pa.int64(), mask=unseen),
             "pid": pa.array(cmd["tgid"], pa.uint32()),
             "tid": pa.array(cmd["tid"], pa.uint32()),
             "comm": pa.array(cstr(cmd["comm"]), pa.string()),
@@ -255,7 +269,7 @@ def decode(raw: list[bytes], ctx: DecodeContext) -> dict[str, pa.Table]:
             "traddr": pa.array(traddr, pa.string()),
             "qid": pa.array(cmd["qid"], pa.uint32()),
             "cid": pa.array(cmd["cid"], pa.uint32()),
-            "disk": pa.array(cstr(cmd["disk"]), pa.string()),
+            "disk": pa.array(_disks(cmd, unseen, ctx), pa.string()),
             "nsid": pa.array(cmd["nsid"], pa.uint32()),
             "opcode": pa.array(cmd["opcode"], pa.uint32()),
             "op": pa.array([opname(q, o, f) for q, o, f in zip(qid, opc, fct)], pa.string()),
@@ -263,8 +277,9 @@ def decode(raw: list[bytes], ctx: DecodeContext) -> dict[str, pa.Table]:
             "slba": pa.array(cmd["slba"], pa.uint64()),
             "nlb": pa.array(cmd["nlb"], pa.uint32()),
             "bytes": pa.array(command_bytes(cmd, ctx), pa.uint64()),
-            "status": pa.array(cmd["status"], pa.uint32()),
-            "status_text": pa.array([status_text(s) for s in status], pa.string()),
+            "status": pa.array(cmd["status"], pa.uint32(), mask=unseen),
+            "status_text": pa.array([UNSEEN_TEXT if u else status_text(s) for s, u in zip(status, unseen.tolist())],
+                                    pa.string()),
             "retries": pa.array(cmd["retries"], pa.uint32()),
             "flags": pa.array(cmd["flags"], pa.uint32()),
             "sq_occupancy": pa.array(occ.astype(np.int32), pa.int32(), mask=occ == NO_OCC),
@@ -284,6 +299,20 @@ def decode(raw: list[bytes], ctx: DecodeContext) -> dict[str, pa.Table]:
             "event": pa.array(list(texts), pa.string()),
         })
     return out
+
+
+def command_event(key: tuple, s: dict, ts: int, opclass: int, rec: int, weight: int, cpu: int = 0) -> np.ndarray:
+    """A kv_nvme_event record built from a command's setup record (nvme_start's fields), as
+    the probe fills it before a completion adds status, flags, retries and disk."""
+    e = np.zeros(1, dtype=DTYPE)
+    e["kind"], e["version"], e["size"], e["cpu"], e["ts"] = KIND_NVME, 1, DTYPE.itemsize, cpu, ts
+    e["tgid"], e["tid"], e["ts_setup"], e["slba"] = s["tgid"], s["tid"], s["ts"], s["slba"]
+    e["ctrl_id"], e["nsid"], e["nlb"], e["bytes"], e["weight"] = key[0], s["nsid"], s["nlb"], s["bytes"], weight
+    e["qid"], e["cid"], e["sq_occ"] = key[1], s["cid"], NO_OCC
+    e["opcode"], e["fctype"] = s["opcode"], s["fctype"]
+    e["rec"], e["issuer"], e["opclass"], e["setup_tid"] = rec, s["issuer"], opclass, s["setup_tid"]
+    e["xflags"], e["comm"] = s["xflags"], s["comm"][:16]
+    return e
 
 
 class Reference:
@@ -312,7 +341,7 @@ class Reference:
     def _q(self, ctrl, qid, opclass) -> dict:
         return self.qstats.setdefault((ctrl, qid, opclass), dict.fromkeys(
             ("setups", "completions", "bytes", "latency_ns", "errors", "retried", "unmatched",
-             "sq_samples", "sq_occ_sum", "sq_occ_max"), 0))
+             "unseen", "sq_samples", "sq_occ_sum", "sq_occ_max"), 0))
 
     def feed(self, event: str, f: dict, ts: int, pid: int = 0, tid: int = 0, comm: str = "", cpu: int = 0) -> None:
         getattr(self, "_" + event)(f, ts, pid, tid, comm, cpu)
@@ -344,8 +373,31 @@ class Reference:
                 s["tgid"], s["tid"], s["comm"], s["issuer"] = hit[0], hit[1], hit[2].encode(), 1
         if not s["issuer"]:
             s["tgid"], s["tid"], s["comm"], s["issuer"] = pid, tid, comm.encode(), 2
+        prev = self.start.get(key)
+        if prev is not None:   # the tag set up again: its previous command ended unseen
+            oc = opclass_of(qid, prev["opcode"])
+            self._count(key, prev, oc, 0, 0, 0, seen=False)
+            self.events.append(command_event(key, prev, ts, oc, REC_UNSEEN, 1, cpu).tobytes())
         self.start[key] = s
         self._q(key[0], qid, opclass_of(qid, opcode))["setups"] += 1
+
+    def _count(self, key, s, opclass, status, retries, lat, seen=True):
+        q = self._q(key[0], key[1], opclass)
+        q["completions"] += 1
+        if seen:
+            q["latency_ns"] += lat
+        else:
+            q["unseen"] += 1
+        if status == 0:
+            q["bytes"] += s["bytes"]
+            if s["xflags"] & X_NS_UNKNOWN and s["bytes"]:
+                fk = (key[0], s["nsid"], key[1], opclass)
+                self.lbafix[fk] = self.lbafix.get(fk, 0) + s["nlb"]
+        else:
+            q["errors"] += 1
+        if retries:
+            q["retried"] += 1
+
 
     def _sample(self, now, lat, status, retries) -> int:
         forced = status != 0 or retries != 0 or (self.slow_ns and lat >= self.slow_ns)
@@ -378,33 +430,16 @@ class Reference:
         lat = ts - s["ts"]
         status, retries = f["status"], f["retries"]
         opclass = opclass_of(key[1], s["opcode"])
-        q = self._q(key[0], key[1], opclass)
-        q["completions"] += 1
-        q["latency_ns"] += lat
-        if status == 0:
-            q["bytes"] += s["bytes"]
-            if s["xflags"] & X_NS_UNKNOWN and s["bytes"]:
-                fk = (key[0], s["nsid"], key[1], opclass)
-                self.lbafix[fk] = self.lbafix.get(fk, 0) + s["nlb"]
-        else:
-            q["errors"] += 1
-        if retries:
-            q["retried"] += 1
+        self._count(key, s, opclass, status, retries, lat)
         slot = lat.bit_length() if lat > 0 else 0
         self.hist[(key[0], key[1], opclass, slot)] = self.hist.get((key[0], key[1], opclass, slot), 0) + 1
         weight = self._sample(ts, lat, status, retries)
         if not weight:
             return
-        e = np.zeros(1, dtype=DTYPE)
-        e["kind"], e["version"], e["size"], e["cpu"], e["ts"] = KIND_NVME, 1, DTYPE.itemsize, cpu, ts
-        e["tgid"], e["tid"], e["ts_setup"], e["slba"] = s["tgid"], s["tid"], s["ts"], s["slba"]
-        e["ctrl_id"], e["nsid"], e["nlb"], e["bytes"], e["weight"] = key[0], s["nsid"], s["nlb"], s["bytes"], weight
-        e["qid"], e["cid"], e["status"] = key[1], s["cid"], status
-        e["sq_occ"] = self.sqocc.get(key[:2], NO_OCC)
-        e["opcode"], e["fctype"], e["flags"], e["retries"] = s["opcode"], s["fctype"], f["flags"], retries
-        e["rec"], e["issuer"], e["opclass"], e["setup_tid"] = REC_CMD, s["issuer"], opclass, s["setup_tid"]
-        e["xflags"] = s["xflags"]
-        e["disk"], e["comm"] = bytes(f.get("disk", b""))[:32], s["comm"][:16]
+        e = command_event(key, s, ts, opclass, REC_CMD, weight, cpu)
+        e["status"], e["sq_occ"] = status, self.sqocc.get(key[:2], NO_OCC)
+        e["flags"], e["retries"] = f["flags"], retries
+        e["disk"] = bytes(f.get("disk", b""))[:32]
         self.events.append(e.tobytes())
 
     def _nvme_sq(self, f, ts, pid, tid, comm, cpu):

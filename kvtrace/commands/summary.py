@@ -59,6 +59,25 @@ def sink_lines(run: dict) -> list[str]:
     return out
 
 
+def untraced_lines(run: dict) -> list[str]:
+    """Completions the kernel did not run a probe for (it interrupted another BPF program on that
+    CPU), counted all the same (kvtrace.capture.settle), and what was still open at the stop."""
+    try:
+        sidecars = json.loads(run.get("sidecars") or "[]")
+    except (TypeError, ValueError):
+        return []
+    out = []
+    for s in sidecars:
+        if s.get("name") == "nvme_queue" and (s.get("unseen") or s.get("open_at_stop")):
+            out.append(f"  nvme: {s.get('completions', 0)} completions, {s.get('unseen', 0)} of them not traced "
+                       f"(counted from the queue's next setup or the idle disk at the stop), "
+                       f"{s.get('open_at_stop', 0)} commands still open at the stop")
+        if s.get("name") == "io_agg" and (s.get("block_unseen_at_stop") or s.get("block_open_at_stop")):
+            out.append(f"  block: {s.get('block_unseen_at_stop', 0)} request completions not traced (rows without "
+                       f"latency, from the idle disk at the stop), {s.get('block_open_at_stop', 0)} still open")
+    return out
+
+
 def print_summary(ds: Dataset, run: str | None = None, console: Console | None = None) -> dict:
     console = console or Console(stderr=False)
     s = summarize(ds, run)
@@ -72,7 +91,7 @@ def print_summary(ds: Dataset, run: str | None = None, console: Console | None =
         for probe, why in (r.get("probes_skipped") or {}).items():
             if why != "not selected":
                 console.print(f"  skipped {probe}: {why}")
-        for line in sink_lines(r):
+        for line in sink_lines(r) + untraced_lines(r):
             console.print(line, markup=False, highlight=False, soft_wrap=True)
     t = Table(title=f"kvtrace summary of {ds.root}")
     for col in ("table", "rows", "bytes", "pids", "p50 ms", "p99 ms"):

@@ -441,11 +441,12 @@ def correlate(tables: dict[str, pa.Table], run: str = "", final_before: int | No
     nv_max = np.zeros(n, np.int64)
     nv_by: dict[tuple, dict] = {}
     for row, r in nv_pairs:
-        w = float(nv["weight"][r])
-        lat = int(nv["latency_ns"][r])
-        nv_w[row] += w
-        nv_lat[row] += w * lat
-        nv_max[row] = max(nv_max[row], lat)
+        if nv["timed"][r]:   # a command that ended untraced has no latency
+            w = float(nv["weight"][r])
+            lat = int(nv["latency_ns"][r])
+            nv_w[row] += w
+            nv_lat[row] += w * lat
+            nv_max[row] = max(nv_max[row], lat)
         g = nv_by.setdefault((row, nv["ctrl"][r], int(nv["qid"][r]), nv["opclass"][r]), _nvme_group(nv, r))
         _nvme_add(g, nv, r)
     nv_avg = np.divide(nv_lat, nv_w, out=np.zeros(n, np.float64), where=nv_w > 0)
@@ -755,6 +756,11 @@ def _nvme_rows(table: pa.Table | None) -> Cols | None:
                   else np.full(table.num_rows, "", dtype=object))
     out["weight"] = np.maximum(out["weight"], 1)
     out["setup_ns"] = np.where(out["setup_ns"] > 0, out["setup_ns"], out["ts_ns"])
+    # a command that ended without its completion traced (latency null): its end is unknown, so
+    # it is placed at its setup and left out of latencies
+    out["timed"] = (pc.is_valid(table["latency_ns"]).to_numpy(zero_copy_only=False)
+                    if "latency_ns" in table.column_names else np.ones(table.num_rows, bool))
+    out["ts_ns"] = np.where(out["timed"], out["ts_ns"], out["setup_ns"])
     out.n = table.num_rows
     return out
 
@@ -798,8 +804,11 @@ def _nvme_add(g: dict, nv: Cols, r: int) -> None:
     g["count"] += w
     g["samples"] += 1
     g["bytes"] += w * int(nv["bytes"][r])
-    g["latency_ns_sum"] += w * lat
-    g["latency_ns_max"] = max(g["latency_ns_max"], lat)
+    if nv["timed"][r]:
+        g["latency_ns_sum"] += w * lat
+        g["latency_ns_max"] = max(g["latency_ns_max"], lat)
+    else:
+        g["untraced"] = g.get("untraced", 0) + w
     g["errors"] += w * (int(nv["status"][r]) != 0)
     g["start_ns"] = min(g["start_ns"], int(nv["setup_ns"][r]))
     g["first_start_ns"] = g["start_ns"]

@@ -94,6 +94,11 @@ def columns(table: pa.Table | None, name: str) -> Cols:
         codes, names = _codes(table, "syscall", n)
         out["is_read"] = np.isin(names, list(READ_SYSCALLS))[codes] if n else np.zeros(0, bool)
     elif name == "block_io":
+        if n and table is not None and "latency_ns" in table.column_names and table["latency_ns"].null_count:
+            # a request that ended without its completion traced (kvtrace.capture.settle): its end
+            # is unknown, so it is placed at its start
+            untimed = pc.is_null(table["latency_ns"]).to_numpy(zero_copy_only=False)
+            out["ts_ns"] = np.where(untimed, out["start_ns"], out["ts_ns"])
         out["disk_code"], out["disks"] = _codes(table, "disk", n)
         codes, ops = _codes(table, "op", n)
         out["is_read"] = (ops == "R")[codes] if n else np.zeros(0, bool)

@@ -92,7 +92,7 @@ TABLES: dict[str, pa.Schema] = {
     "nvme_queue": pa.schema([
         ("ts_ns", u64), ("interval_ns", u64), ("ctrl_id", u32), ("ctrl", d), ("transport", d), ("traddr", d),
         ("qid", u32), ("opclass", d), ("setups", u64), ("completions", u64), ("bytes", u64), ("errors", u64),
-        ("retried", u64), ("unmatched", u64), ("latency_sum_ns", u64), ("latency_avg_ns", f64),
+        ("retried", u64), ("unmatched", u64), ("unseen", u64), ("latency_sum_ns", u64), ("latency_avg_ns", f64),
         ("sq_samples", u64), ("sq_occupancy_avg", f64), ("sq_occupancy_max", u32), ("cpus", d),
     ]),
     "nvme_queue_hist": pa.schema([

@@ -6,6 +6,8 @@
     nvme_lbafix  -> (into nvme_queue's bytes) blocks of data commands on namespaces the probe
                                       did not know yet, counted in 512-byte LBAs: what the
                                       namespace's LBA size adds is added once the topology says it
+    nvme_start   -> (at a clean stop) commands that ended without their completion traced,
+                                      settled against the disks' in-flight counts (capture/settle.py)
     rdma_cq      -> rdma_cq          per kernel CQ: polls, completions, full-budget polls,
                                       wake-ups and their latency
 
@@ -22,10 +24,12 @@ from collections import Counter
 
 import pyarrow as pa
 
+from kvtrace.capture import settle
 from kvtrace.capture.nvme import OPCLASSES, lba_bytes, want_topology
 from kvtrace.dataset import schema
 
-QFIELDS = ("setups", "completions", "bytes", "latency_ns", "errors", "retried", "unmatched", "sq_samples", "sq_occ_sum")
+QFIELDS = ("setups", "completions", "bytes", "latency_ns", "errors", "retried", "unmatched", "unseen", "sq_samples",
+           "sq_occ_sum")
 CQFIELDS = ("polls", "completions", "full_polls", "wakeups", "wakeup_lat_us", "wakeup_lat_max_us", "interrupts",
             "reschedules")
 
@@ -47,8 +51,11 @@ class KernelMaps:
 
     name = "nvme_queue"
 
-    def __init__(self, tables: dict, ctx=None, cfg=None, settings: dict | None = None):
+    def __init__(self, tables: dict, ctx=None, cfg=None, settings: dict | None = None, root: str = "/"):
         self.t = tables
+        self.root = root
+        self.pending: dict[tuple, list] = {}   # (ctrl, qid, opclass) -> [commands, bytes] settled at the stop
+        self.pending_tables: dict[str, pa.Table] = {}
         self.settings = dict(settings or {})   # recorded in the run row (sampling mode and rate)
         self.ctx = ctx
         self.cfg = cfg                 # the nvme_cfg map: its epoch is bumped after each read
@@ -82,6 +89,8 @@ class KernelMaps:
         if "nvme_qstats" in self.t:
             out.update(self._nvme(now, interval))
             self._bump_epoch()
+        out.update(self.pending_tables)
+        self.pending_tables = {}
         if "rdma_cq" in self.t:
             t = self._rdma(now, interval)
             if t is not None:
@@ -135,6 +144,10 @@ class KernelMaps:
             more = extra.pop(key, 0)
             if more:
                 d = tuple(x + more if f == "bytes" else x for f, x in zip(QFIELDS, d))
+            done = self.pending.pop(key, None)
+            if done:   # ended untraced, found at the stop
+                add = {"completions": done[0], "unseen": done[0], "bytes": done[1]}
+                d = tuple(x + add.get(f, 0) for f, x in zip(QFIELDS, d))
             occ_max = int(getattr(v, "sq_occ_max", 0))
             fresh = int(getattr(v, "sq_epoch", self.epoch)) == self.epoch
             if not any(d):
@@ -149,15 +162,17 @@ class KernelMaps:
             rows["traddr"].append(c.target if c else "")
             rows["qid"].append(key[1])
             rows["opclass"].append(OPCLASSES[key[2]] if key[2] < len(OPCLASSES) else str(key[2]))
-            for f in ("setups", "completions", "bytes", "errors", "retried", "unmatched", "sq_samples"):
+            for f in ("setups", "completions", "bytes", "errors", "retried", "unmatched", "unseen", "sq_samples"):
                 rows[f].append(q[f])
+            timed = q["completions"] - q["unseen"]
             rows["latency_sum_ns"].append(q["latency_ns"])
-            rows["latency_avg_ns"].append(q["latency_ns"] / q["completions"] if q["completions"] else None)
+            rows["latency_avg_ns"].append(q["latency_ns"] / timed if timed > 0 else None)
             rows["sq_occupancy_avg"].append(q["sq_occ_sum"] / q["sq_samples"] if q["sq_samples"] else None)
             rows["sq_occupancy_max"].append(occ_max if q["sq_samples"] and fresh else None)
             rows["cpus"].append(self._cpus(key[0], key[1]))
             self.c["completions"] += q["completions"]
             self.c["unmatched"] += q["unmatched"]
+            self.c["unseen"] += q["unseen"]
         hist = {c: [] for c in schema.TABLES["nvme_queue_hist"].names}
         for k, v in _items(self.t["nvme_hist"]):
             key = (int(k.ctrl_id), int(k.qid), int(k.opclass), int(k.slot))
@@ -218,7 +233,20 @@ class KernelMaps:
         return self.c["queue_map_full"] + self.c["hist_map_full"]
 
     def close(self) -> None:
-        """Nothing to release: the maps belong to the BPF program, closed with the source."""
+        """At a clean stop (before the last flush, the probes still attached): settle the NVMe
+        commands left open; those that ended untraced go into the last flush's rows.  The maps
+        belong to the BPF program, closed with the source."""
+        if "nvme_start" not in self.t:
+            return
+        ctrls = getattr(self.ctx, "nvme_ctrls", None) or {}
+        try:
+            ended, still = settle.nvme_commands(self.t["nvme_start"], ctrls, self.root)
+            self.pending, self.pending_tables = settle.nvme_rows(ended, time.monotonic_ns(), self.ctx)
+        except Exception:
+            self.c["settle_errors"] += 1
+            return
+        self.c["open_at_stop"] = still
+        self.c["unseen_at_stop"] = len(ended)
 
 
 def _table(name: str, cols: dict) -> pa.Table:

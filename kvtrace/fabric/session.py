@@ -383,11 +383,11 @@ def _start(pipeline, source, opts: Options, echo) -> Started:
     out.notes.append(f"{n} NVMe controller{'s' if n != 1 else ''}" + (
         " (" + ", ".join(f"{c.name} {c.transport}" for c in sorted(watcher.topo.controllers.values(), key=lambda c: c.instance)) + ")" if n else ""))
     if bpf is not None and ("nvme" in plan.attached or "rdma" in plan.attached):
-        tables = _tables(bpf, ("nvme_qstats", "nvme_hist", "nvme_drops", "nvme_lbafix", "rdma_cq"))
+        tables = _tables(bpf, ("nvme_qstats", "nvme_hist", "nvme_drops", "nvme_lbafix", "nvme_start", "rdma_cq"))
         cfg = _tables(bpf, ("nvme_cfg",)).get("nvme_cfg")
         settings = {"nvme_events": opts.nvme_events, "nvme_event_rate": opts.nvme_event_rate,
                     "nvme_slow_us": opts.nvme_slow_us} if "nvme" in plan.attached else {}
-        out.sidecars.append(KernelMaps(tables, pipeline.ctx, cfg, settings))
+        out.sidecars.append(KernelMaps(tables, pipeline.ctx, cfg, settings, opts.root))
     if not opts.no_nic:
         ifaces = list(opts.nics) or ([] if opts.nic_netns else fabric_interfaces(watcher.topo, opts.root))
         rdma_devs = counters.ib_devices(opts.root) if not opts.nic_netns else {}

@@ -134,10 +134,13 @@ def chunk_spans(res, trace_of, offset: int) -> list[Span]:
 
 def nvme_attrs(g: dict) -> list:
     """Attributes of a group of NVMe commands (one controller, queue and op class)."""
+    timed = g["count"] - g.get("untraced", 0)
     out = [("kvtrace.nvme.ctrl", g["ctrl"]), ("kvtrace.nvme.qid", g["qid"]), ("kvtrace.nvme.opclass", g["opclass"]),
            ("kvtrace.nvme.transport", g["transport"]), ("kvtrace.nvme.target", g["traddr"]),
            ("kvtrace.nvme.samples", g["samples"]),
-           ("kvtrace.nvme.latency_ns_avg", g["latency_ns_sum"] / g["count"] if g["count"] else 0.0)]
+           ("kvtrace.nvme.latency_ns_avg", g["latency_ns_sum"] / timed if timed else 0.0)]
+    if g.get("untraced"):   # ended without their completion traced: no latency
+        out.append(("kvtrace.nvme.untraced", g["untraced"]))
     if g["sq_occ_n"]:
         out.append(("kvtrace.nvme.sq_occupancy_avg", g["sq_occ_sum"] / g["sq_occ_n"]))
     return out

@@ -221,3 +221,34 @@ def test_keys_of_exited_processes_are_swept_once_read():
     t["agg_stats"][dead] = val(3, 30)
     (r,) = [x for x in side.drain()["file_agg"].to_pylist() if x["pid"] == gone.pid]
     assert (r["calls"], r["bytes"]) == (3, 30)
+
+
+def test_block_requests_open_at_the_stop_on_an_idle_disk_ended_untraced(tmp_path):
+    """At a clean stop: a request the probe holds as issued on a disk with nothing in flight
+    ended without its completion traced (the kernel skipped the probe): a block_io row without
+    error or latency in the last flush.  A request never issued, and one on a busy disk, stay."""
+    for disk, text in (("loop3", "0 0\n"), ("loop4", "2 0\n")):
+        (tmp_path / "sys" / "block" / disk).mkdir(parents=True)
+        (tmp_path / "sys" / "block" / disk / "inflight").write_text(text)
+    t = maps()
+    start = t["block_start"] = FakeMap()
+    loop3, loop4 = (7 << 20) | 3, (7 << 20) | 4
+
+    def rec(ts_issue, nbytes):
+        return NS(ts_start=1_000, ts_issue=ts_issue, tgid=42, tid=43, bytes=nbytes, from_dev=0, rwbs=b"RS",
+                  comm=b"kvreader")
+
+    start[K(dev=loop3, sector=2048)] = rec(1_500, 131072)
+    start[K(dev=loop3, sector=4096)] = rec(0, 4096)           # queued, never issued: left alone
+    start[K(dev=loop4, sector=8)] = rec(1_700, 4096)          # a busy disk: left open
+    ctx = DecodeContext(dev_names={loop3: "loop3", loop4: "loop4"})
+    side = agg.AggMaps(t, [KIND_BLOCK], ctx, mode="off", root=str(tmp_path))
+    side.close()
+    (row,) = side.drain()["block_io"].to_pylist()
+    assert (row["disk"], row["sector"], row["bytes"], row["op"], row["pid"], row["tid"], row["comm"]) == (
+        "loop3", 2048, 131072, "R", 42, 43, "kvreader")
+    assert (row["start_ns"], row["issue_ns"], row["queue_ns"]) == (1_000, 1_500, 500)
+    assert (row["error"], row["device_ns"], row["latency_ns"], row["weight"]) == (None, None, None, 1)
+    assert sorted(k.sector for k in start) == [8, 4096]
+    assert (side.stats()["block_unseen_at_stop"], side.stats()["block_open_at_stop"]) == (1, 1)
+    assert "block_io" not in side.drain()

@@ -48,8 +48,8 @@ class FakeMap(dict):
 
 
 def qstat(**kw):
-    base = dict(setups=0, completions=0, bytes=0, latency_ns=0, errors=0, retried=0, unmatched=0, sq_samples=0,
-                sq_occ_sum=0, sq_occ_max=0, sq_epoch=0)
+    base = dict(setups=0, completions=0, bytes=0, latency_ns=0, errors=0, retried=0, unmatched=0, unseen=0,
+                sq_samples=0, sq_occ_sum=0, sq_occ_max=0, sq_epoch=0)
     base.update(kw)
     return NS(**base)
 
@@ -154,3 +154,86 @@ def test_start_without_bpf_still_watches_topology_and_counters(tmp_path):
         for s in started.sidecars:
             if hasattr(s, "close"):
                 s.close()
+
+
+def _start(ts, cid, opcode=0x02, nlb=8, nbytes=32768, tid=70, xflags=0, nsid=1):
+    return NS(ts=ts, slba=4096, nsid=nsid, nlb=nlb, bytes=nbytes, tgid=70, tid=tid, setup_tid=tid, cid=cid,
+              opcode=opcode, fctype=0xFF, flags=0, issuer=1, xflags=xflags, pad=0, comm=b"kvreader")
+
+
+def _disks(root, **inflight):
+    for disk, text in inflight.items():
+        (root / "sys" / "block" / disk).mkdir(parents=True)
+        (root / "sys" / "block" / disk / "inflight").write_text(text)
+
+
+def _ctrl(i, *disks):
+    return NS(namespaces=[NS(disk=d, head=h, nsid=1, lba_bytes=4096, hctx=[]) for d, h in disks], transport="tcp",
+              target="10.0.0.1:4420")
+
+
+def test_commands_open_at_the_stop_on_an_idle_controller_ended_untraced(tmp_path):
+    """At a clean stop: what the probe still holds as set up on a controller whose disks have
+    nothing in flight ended without its completion traced: counted (completions, unseen,
+    bytes) in the last flush and written as nvme_cmd rows without latency; admin commands and
+    a busy controller's are left open and said."""
+    _disks(tmp_path, nvme0c0n1="       0        0\n", nvme0n1="0 0\n", nvme1n1="       1        0\n")
+    start, qs = FakeMap(), FakeMap()
+    start[K(ctrl_id=0, qid=2, tag=24)] = _start(1_000, (1 << 12) | 24)
+    start[K(ctrl_id=0, qid=2, tag=25)] = _start(1_100, (1 << 12) | 25, nlb=5, nbytes=2560, xflags=1)  # LBA size learnt late
+    start[K(ctrl_id=0, qid=1, tag=3)] = _start(1_200, 3, opcode=0x01, nbytes=4096, nlb=1)
+    start[K(ctrl_id=0, qid=0, tag=9)] = _start(1_300, 9, opcode=0x06, nbytes=0, nlb=0)    # admin: no disk to ask
+    qs[K(ctrl_id=0, qid=2, opclass=0)] = qstat(setups=5, completions=3, bytes=3 * 32768, latency_ns=300)
+    qs[K(ctrl_id=0, qid=1, opclass=1)] = qstat(setups=1)
+    ctx = DecodeContext()
+    ctx.nvme_ctrls = {0: _ctrl(0, ("nvme0c0n1", "nvme0n1")), 1: _ctrl(1, ("nvme1n1", "nvme1n1"))}
+    km = KernelMaps({"nvme_qstats": qs, "nvme_hist": FakeMap(), "nvme_start": start}, ctx, root=str(tmp_path))
+    km.close()
+    out = km.drain()
+    rows = {(r["qid"], r["opclass"]): r for r in out["nvme_queue"].to_pylist()}
+    r = rows[(2, "read")]
+    assert (r["setups"], r["completions"], r["unseen"], r["bytes"], r["latency_avg_ns"]) == (
+        5, 5, 2, 3 * 32768 + 32768 + 5 * 4096, 100.0)   # the average is over the 3 timed completions
+    w = rows[(1, "write")]
+    assert (w["setups"], w["completions"], w["unseen"], w["bytes"], w["latency_avg_ns"]) == (1, 1, 1, 4096, None)
+    cmd = sorted(out["nvme_cmd"].to_pylist(), key=lambda x: x["setup_ns"])
+    assert [(c["qid"], c["cid"], c["setup_ns"], c["bytes"], c["latency_ns"], c["status"], c["comm"]) for c in cmd] == [
+        (2, (1 << 12) | 24, 1_000, 32768, None, None, "kvreader"),
+        (2, (1 << 12) | 25, 1_100, 5 * 4096, None, None, "kvreader"),
+        (1, 3, 1_200, 4096, None, None, "kvreader")]
+    assert list(start) == [K(ctrl_id=0, qid=0, tag=9)]        # settled ones removed, the admin one kept
+    st = km.stats()
+    assert (st["unseen_at_stop"], st["open_at_stop"], st["unseen"]) == (3, 0, 3)
+    assert km.drain().get("nvme_cmd") is None                 # written once
+
+
+def test_a_busy_controllers_commands_get_time_to_complete_then_stay_open(tmp_path):
+    from kvtrace.capture import settle
+
+    _disks(tmp_path, nvme1n1="1 0\n")
+    start = FakeMap()
+    start[K(ctrl_id=1, qid=1, tag=4)] = _start(5_000, 4)
+    start[K(ctrl_id=7, qid=1, tag=4)] = _start(5_000, 4)       # a controller the topology does not list
+    ctrls = {1: _ctrl(1, ("nvme1n1", "nvme1n1"))}
+    now = [0.0]
+
+    def sleep(s):
+        now[0] += s
+
+    ended, still = settle.nvme_commands(start, ctrls, str(tmp_path), timeout=0.1, sleep=sleep, clock=lambda: now[0])
+    assert ended == [] and still == 2 and len(start) == 2 and now[0] >= 0.1
+    # it completes (traced: the probe removes it) while kvtrace waits: nothing to settle
+    calls = []
+
+    def sleep2(s):
+        calls.append(s)
+        start.clear()
+
+    assert settle.nvme_commands(start_with(start, K(ctrl_id=1, qid=1, tag=4), _start(6_000, 4)), ctrls, str(tmp_path),
+                         timeout=5, sleep=sleep2, clock=lambda: 0.0) == ([], 0)
+    assert len(calls) == 1
+
+
+def start_with(m, k, v):
+    m[k] = v
+    return m

@@ -193,6 +193,35 @@ def test_sampling_keeps_totals_exact_and_weights_honest():
     assert [x["retries"] for x in nvme.decode(r2.ref.events, DecodeContext())[nvme.TABLE].to_pylist()] == [2]
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_completion_the_probe_missed_is_counted_at_the_tags_next_setup(kernel, ctx):
+    """The kernel skips the completion's program (it interrupted another BPF program on that
+    CPU): the tag's next setup proves the command ended.  It is counted completed and unseen,
+    with its bytes, and written as a row without latency or status; in every mode."""
+    for mode in ("all", "sampled", "none"):
+        r = Run(kernel, mode=mode, ns={(0, 1): (0, HEAD, 12)})
+        d0 = b"nvme0c0n1"
+        r.setup(1_000_000, 0, 2, 3, 17, 0x02, disk=d0, pid=50, tid=51, comm="reader", cdw10=cdw(1000, 8))
+        # its completion is never fed: the probe did not run for it
+        r.setup(2_000_000, 0, 2, 4, 17, 0x02, disk=d0, pid=50, tid=51, comm="reader", cdw10=cdw(2000, 4))
+        r.complete(2_040_000, 0, 2, 4, 17, disk=d0)
+        q = r.ref.qstats[(0, 2, 0)]
+        assert (q["setups"], q["completions"], q["unseen"], q["bytes"], q["latency_ns"]) == (2, 2, 1, 12 * 4096, 40_000)
+        assert sum(r.ref.hist.values()) == 1          # only the completion seen has a latency
+        assert r.ref.start == {}
+        rows = nvme.decode(r.ref.events, ctx)[nvme.TABLE].to_pylist()
+        missed = [x for x in rows if x["cid"] == (3 << 12) | 17]
+        assert len(missed) == 1, mode
+        m = missed[0]
+        assert (m["ts_ns"], m["setup_ns"], m["latency_ns"], m["status"], m["status_text"]) == (
+            2_000_000, 1_000_000, None, None, nvme.UNSEEN_TEXT)
+        assert (m["bytes"], m["slba"], m["pid"], m["tid"], m["comm"], m["weight"], m["sq_occupancy"]) == (
+            8 * 4096, 1000, 50, 51, "reader", 1, None)
+        assert m["disk"] == "nvme0c0n1"            # no completion record: the namespace's disk in the topology
+        seen = [x for x in rows if x["cid"] == (4 << 12) | 17]
+        assert [x["latency_ns"] for x in seen] == ([] if mode == "none" else [40_000])
+
+
 def test_config_follows_the_layout():
     def tp_for(kernel):
         return lambda c, e: (FORMATS / kernel / "events" / c / e).is_dir()
