@@ -2,12 +2,12 @@
 
 A real vLLM CPU server (tiny random-weight Llama, chunked prefill at 256 tokens, prefix
 caching, 122 KV blocks, KV events, kvtrace's file KV connector, so KV blocks are stored to
-and loaded back from files) serves a fixed shared-prefix workload at concurrency 4, in rounds
-interleaved A/B/A/B in one session: A untraced, B under `kvtrace attach --port` (every probe
-this kernel has, the hook injected live, KV events and /metrics recorded, Parquet written and
-OTLP streamed to a local receiver).  The prefix cache is reset before every round.  Reported:
-tokens/s and TTFT p50 per round, and B/A ratios of adjacent pairs with their spread; during B
-rounds the agent's CPU (per wall second) and RSS (psutil, sampled every 0.2 s, after
+and loaded back from files) serves a fixed shared-prefix workload at concurrency 4, in phases
+interleaved A/B/A/B in one session, each phase 3 rounds back to back (1 in --short): A
+untraced, B under one `kvtrace attach --port` (every probe this kernel has, the hook injected
+live, KV events and /metrics recorded, Parquet written and OTLP streamed to a local
+receiver).  The prefix cache is reset before every round.  Reported: tokens/s and TTFT p50
+per phase, and B/A ratios of adjacent phases with their spread; during B phases the agent's CPU (per wall second) and RSS (psutil, sampled every 0.2 s, after
 attach: the steady state).  Then the hook's cost per engine step, detached and attached, from
 bench/hookstep.py in vLLM's interpreter under `kvtrace attach`.
 
@@ -43,8 +43,19 @@ def start_server(work: Path) -> VllmServer:
     return VllmServer(args=args, port=port, env=env, workdir=work).start()
 
 
+def phase(server: VllmServer, reqs, concurrency: int, n: int) -> dict:
+    """n rounds back to back (the agent, in B, attached across all of them): their totals."""
+    rs = [one_round(server, reqs, concurrency) for _ in range(n)]
+    wall = sum(r["wall_s"] for r in rs)
+    return {"wall_s": round(wall, 3), "tokens": sum(r["tokens"] for r in rs),
+            "tokens_per_s": sum(r["tokens"] for r in rs) / wall,
+            "ttft_p50_s": statistics.median(r["ttft_p50_s"] for r in rs), "errors": sum(r["errors"] for r in rs),
+            "cached_tokens": sum(r["cached_tokens"] for r in rs), "rounds": n}
+
+
 def vllm_ab(short: bool) -> dict:
     pairs = 1 if short else 5
+    per_phase = 1 if short else 3   # rounds per A or B phase: the steady state outweighs the attach
     concurrency = 4
     reqs = requests(short)
     work = Path(tempfile.mkdtemp(prefix="kvtrace-bench-overhead-"))
@@ -68,7 +79,7 @@ def vllm_ab(short: bool) -> dict:
                     time.sleep(SETTLE_S)          # past the first flushes: the steady state is measured
                     agent.sample()
                     c0 = agent.cpu()
-                r = one_round(server, reqs, concurrency)
+                r = phase(server, reqs, concurrency, per_phase)
                 if agent is not None:
                     agent_cpu.append((agent.cpu() - c0) / r["wall_s"])
                     agent._stop.set()
@@ -83,7 +94,7 @@ def vllm_ab(short: bool) -> dict:
                     r["lost_events"] = run["lost_events"]
                 r["mode"] = mode
                 rounds.append(r)
-                print(f"overhead: round {len(rounds)} {mode}: {r['tokens_per_s']:.1f} tokens/s, TTFT p50 "
+                print(f"overhead: phase {len(rounds)} {mode}: {r['tokens_per_s']:.1f} tokens/s, TTFT p50 "
                       f"{r['ttft_p50_s'] * 1000:.0f} ms", file=sys.stderr)
     finally:
         server.stop()
@@ -99,7 +110,7 @@ def vllm_ab(short: bool) -> dict:
         r["tokens_per_s"] = round(r["tokens_per_s"], 2)
         r["ttft_p50_s"] = round(r["ttft_p50_s"], 4)
     return {
-        "requests": len(reqs), "concurrency": concurrency, "pairs": pairs, "rounds": rounds,
+        "requests": len(reqs), "concurrency": concurrency, "pairs": pairs, "rounds_per_phase": per_phase, "rounds": rounds,
         "otlp": receiver is not None,
         "tokens_per_s": {"A": round(mean_a, 2), "B": round(mean_b, 2)},
         "tokens_per_s_ratio": spread(tps), "ttft_p50_ratio": spread(ttft),

@@ -143,6 +143,10 @@ class Pipeline:
 
     def lost_by_table(self) -> dict[str, int]:
         lost = {BY_KIND[k].TABLE if k in BY_KIND else f"kind{k}": v for k, v in self.source.lost().items()}
+        if self.ctx.malformed:
+            lost["malformed"] = self.ctx.malformed
+        if self.ctx.bad_frames:   # each one a write of the hook's records
+            lost["hook_frames"] = self.ctx.bad_frames
         for sidecar in self.sidecars:
             if hasattr(sidecar, "lost"):
                 name = getattr(sidecar, "name", type(sidecar).__name__)

@@ -1,6 +1,9 @@
 /* fdopen.bpf.c: which path each file descriptor of a traced process refers to.
  * openat/openat2/open are remembered at entry (the user pointer to the name) and
- * emitted at exit with the new fd, so fileio events can be resolved to paths. */
+ * emitted at exit with the new fd, so fileio events can be resolved to paths.  close and
+ * dup2/dup3 onto a number are emitted too (no path; a dup with the number it copies): what
+ * the number refers to after a close is not an open's, so user space asks /proc instead of
+ * naming a closed file, and after a dup it is what the copied number was. */
 
 #include "kvtrace.h"
 
@@ -19,9 +22,13 @@ struct kv_fdopen_event {
     s32 fd;         /* result: fd, or -errno */
     s32 dfd;
     u32 flags;
-    u32 pad;
+    u32 op;         /* KV_FD_* */
     char path[KV_PATH_MAX];
 };
+
+#define KV_FD_OPEN  0
+#define KV_FD_CLOSE 1
+#define KV_FD_DUP   2   /* dup2/dup3 onto fd */
 
 BPF_TABLE("lru_hash", u32, struct kv_open_start, open_start, 16384);
 
@@ -49,6 +56,9 @@ static __always_inline int kv_open_exit(s64 ret)
         return 0;
     struct kv_open_start st = *s;
     open_start.delete(&tid);
+#ifdef KV_FD_SKIP
+    kv_fd_forget(id >> 32, ret);   /* a file on a number once skipped as not a file */
+#endif
     struct kv_fdopen_event *e = events.ringbuf_reserve(sizeof(struct kv_fdopen_event));
     if (!e) {
         kv_count_lost(KV_KIND_FDOPEN);
@@ -59,7 +69,7 @@ static __always_inline int kv_open_exit(s64 ret)
     e->fd = (s32)ret;
     e->dfd = st.dfd;
     e->flags = st.flags;
-    e->pad = 0;
+    e->op = KV_FD_OPEN;
     bpf_probe_read_user_str(e->path, sizeof(e->path), (const void *)st.filename);
     events.ringbuf_submit(e, 0);
     return 0;
@@ -74,4 +84,36 @@ TRACEPOINT_PROBE(syscalls, sys_exit_openat2)  { return kv_open_exit(args->ret); 
 #ifdef KV_HAVE_OPEN
 TRACEPOINT_PROBE(syscalls, sys_enter_open)    { return kv_open_enter(-100, args->filename, args->flags); }
 TRACEPOINT_PROBE(syscalls, sys_exit_open)     { return kv_open_exit(args->ret); }
+#endif
+
+/* The number no longer refers to what was opened on it (emitted at entry: a failed close or
+ * dup leaves the number as it was, which /proc then says). */
+static __always_inline int kv_fd_gone(s64 fd, u32 op, s64 oldfd)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!kv_is_target(id >> 32) || fd < 0)
+        return 0;
+#ifdef KV_FD_SKIP
+    kv_fd_forget(id >> 32, fd);
+#endif
+    struct kv_fdopen_event *e = events.ringbuf_reserve(sizeof(struct kv_fdopen_event));
+    if (!e) {
+        kv_count_lost(KV_KIND_FDOPEN);
+        return 0;
+    }
+    kv_fill_hdr(&e->h, KV_KIND_FDOPEN, sizeof(*e), id >> 32, (u32)id);
+    e->ts_enter = e->h.ts;
+    e->fd = (s32)fd;
+    e->dfd = (s32)oldfd;   /* dup: the number duplicated from */
+    e->flags = 0;
+    e->op = op;
+    e->path[0] = 0;
+    events.ringbuf_submit(e, 0);
+    return 0;
+}
+
+#ifdef KV_HAVE_FD_GONE
+TRACEPOINT_PROBE(syscalls, sys_enter_close)   { return kv_fd_gone(args->fd, KV_FD_CLOSE, -1); }
+TRACEPOINT_PROBE(syscalls, sys_enter_dup2)    { return kv_fd_gone(args->newfd, KV_FD_DUP, args->oldfd); }
+TRACEPOINT_PROBE(syscalls, sys_enter_dup3)    { return kv_fd_gone(args->newfd, KV_FD_DUP, args->oldfd); }
 #endif

@@ -4,6 +4,7 @@
  * result and latency.  Paths come from fdopen.bpf.c (openat results) and, for files
  * opened before the attach, from /proc/PID/fd in user space.  Every call is also counted in
  * the aggregation maps (kvtrace.h) per (pid, system call) before the raw event is sampled.
+ * Descriptors user space found are not files (KV_FD_SKIP, see kvtrace.h) are skipped.
  */
 
 #include "kvtrace.h"
@@ -45,6 +46,11 @@ static __always_inline int kv_sys_enter(u32 sys, s64 fd, u64 count, s64 pos)
     u64 id = bpf_get_current_pid_tgid();
     if (!kv_is_target(id >> 32))
         return 0;
+#ifdef KV_FD_SKIP
+    struct kv_fd_key fk = kv_fd_key(id >> 32, fd);
+    if (fd_skip.lookup(&fk))
+        return 0;   /* not a file (see kvtrace.h) */
+#endif
     u32 tid = (u32)id;
     struct kv_sys_start s = {};
     s.ts = bpf_ktime_get_ns();
@@ -121,3 +127,4 @@ TRACEPOINT_PROBE(syscalls, sys_exit_pwritev)   { return kv_sys_exit(args->ret); 
 TRACEPOINT_PROBE(syscalls, sys_enter_pwritev2) { return kv_sys_enter(KV_SYS_PWRITEV2, args->fd, args->vlen, args->pos_l); }
 TRACEPOINT_PROBE(syscalls, sys_exit_pwritev2)  { return kv_sys_exit(args->ret); }
 #endif
+

@@ -56,6 +56,35 @@ static __always_inline int kv_is_target(u32 tgid)
     return targets.lookup(&tgid) != NULL;
 }
 
+#ifdef KV_FD_SKIP
+/* File descriptors of traced processes that are not files (sockets, pipes, eventfds, epoll
+ * and timer fds: a serving process reads and writes them all the time), put here by user
+ * space once /proc says what they are (kvtrace/capture/fdskip.py); fileio.bpf.c skips their
+ * reads and writes.  Any close, dup onto, or open returning the number takes it out, so a
+ * file opened on a reused number is traced.  LRU: an eviction only means tracing again. */
+struct kv_fd_key {
+    u32 tgid;
+    s32 fd;
+};
+BPF_TABLE("lru_hash", struct kv_fd_key, u8, fd_skip, 65536);
+
+static __always_inline struct kv_fd_key kv_fd_key(u32 tgid, s64 fd)
+{
+    struct kv_fd_key k = {};
+    k.tgid = tgid;
+    k.fd = (s32)fd;
+    return k;
+}
+
+static __always_inline void kv_fd_forget(u32 tgid, s64 fd)
+{
+    if (fd < 0)
+        return;
+    struct kv_fd_key k = kv_fd_key(tgid, fd);
+    fd_skip.delete(&k);
+}
+#endif
+
 static __always_inline void kv_count_lost(u32 kind)
 {
     u64 *c = lost.lookup(&kind);

@@ -78,7 +78,8 @@ class DecodeContext:
     fd_paths: dict[tuple[int, int], str] = field(default_factory=dict)
     cwd: dict[int, str] = field(default_factory=dict)
     dev_names: dict[int, str] = field(default_factory=dict)
-    malformed: int = 0
+    malformed: int = 0      # ring-buffer records of no known kind, or of the wrong size
+    bad_frames: int = 0     # hook marker frames the probe could not copy (or not frames)
     # The NVMe topology, kept here by the fabric sidecar (kvtrace.fabric.session.TopologyWatcher):
     # controllers by ctrl_id, the whole topology, the logical block size of every namespace
     # seen in the run ((ctrl_id, nsid) -> bytes, kept after it vanishes), and a callback that
@@ -88,6 +89,8 @@ class DecodeContext:
     nvme_topology: object = None
     nvme_lba: dict[tuple[int, int], int] = field(default_factory=dict)
     nvme_rescan: Callable | None = None
+    # ``skip_fd(pid, fd)``: tell the fileio probe a descriptor is not a file (kvtrace.capture.fdskip)
+    skip_fd: Callable | None = None
 
     def dev_name(self, dev: int) -> str:
         """Kernel dev_t (major<<20 | minor) to a disk name via /sys/dev/block, else the NVMe

@@ -1,4 +1,10 @@
-"""Decoder for probes/fdopen.bpf.c: opened files (table ``file_open``); feeds fd→path resolution."""
+"""Decoder for probes/fdopen.bpf.c: opened files (table ``file_open``); feeds fd→path resolution.
+
+Closes and dup2/dup3 onto a number come as records without a path: after a close the number
+is no longer the file opened on it, and is resolved from /proc (a socket or eventfd created
+on it since) rather than named after a closed file; after a dup it is what the copied number
+was.
+"""
 from __future__ import annotations
 
 import os
@@ -19,17 +25,20 @@ DTYPE = struct_dtype(
         ("fd", "<i4"),
         ("dfd", "<i4"),
         ("flags", "<u4"),
-        ("pad", "<u4"),
+        ("op", "<u4"),
         ("path", "S256"),
     ]
 )
 AT_FDCWD = -100
+OP_OPEN, OP_CLOSE, OP_DUP = 0, 1, 2   # KV_FD_*
 
 
 def config(tp) -> tuple[list[str], str | None]:
     if not (tp("syscalls", "sys_enter_openat") and tp("syscalls", "sys_exit_openat")):
         return [], "syscalls:sys_enter/exit_openat missing: paths only from /proc at attach"
     flags = []
+    if all(tp("syscalls", f"sys_enter_{c}") for c in ("close", "dup2", "dup3")):
+        flags.append("-DKV_HAVE_FD_GONE")
     if tp("syscalls", "sys_enter_openat2"):
         flags.append("-DKV_HAVE_OPENAT2")
     if tp("syscalls", "sys_enter_open"):
@@ -53,11 +62,12 @@ def absolute(ctx: DecodeContext, pid: int, dfd: int, path: str, ts: int) -> str:
     return os.path.normpath(os.path.join(base, path)) if base else path
 
 
-def remember(ctx: DecodeContext, pid: int, fd: int, ts: int, path: str) -> None:
+def remember(ctx: DecodeContext, pid: int, fd: int, ts: int, path: str | None) -> None:
+    """pid's fd referred to path from ts on (None: no longer to what was opened on it)."""
     hist = ctx.fd_paths.setdefault((pid, fd), [])
     hist.append((ts, path))
     if len(hist) > 1 and hist[-2][0] > ts:
-        hist.sort()
+        hist.sort(key=lambda h: h[0])
 
 
 def trim(ctx: DecodeContext) -> None:
@@ -69,15 +79,19 @@ def trim(ctx: DecodeContext) -> None:
 def resolve(ctx: DecodeContext, pid: int, fd: int, ts: int) -> str:
     """The path fd referred to at time ts: the latest open before ts, else /proc (best effort)."""
     hist = ctx.fd_paths.get((pid, fd))
+    since = 0
     if hist:
         for t, p in reversed(hist):
             if t <= ts:
-                return p
+                if p is not None:
+                    return p
+                since = t + 1   # closed or duplicated onto since its open: /proc says what it is now
+                break
     try:
         path = os.readlink(f"/proc/{pid}/fd/{fd}")
     except OSError:
         path = ""
-    remember(ctx, pid, fd, 0, path)
+    remember(ctx, pid, fd, since, path)
     return path
 
 
@@ -97,14 +111,19 @@ def snapshot(ctx: DecodeContext, pid: int) -> None:
 
 def decode(raw: list[bytes], ctx: DecodeContext) -> pa.Table:
     a = decode_array(raw, DTYPE)
+    a = a[np.argsort(a["ts"], kind="stable")]   # a dup names what the copied number was at its time
     paths = cstr(a["path"])
     full = []
     for i, path in enumerate(paths):
-        pid, fd, ts = int(a["tgid"][i]), int(a["fd"][i]), int(a["ts"][i])
-        p = absolute(ctx, pid, int(a["dfd"][i]), path, ts)
+        pid, fd, ts, op, dfd = int(a["tgid"][i]), int(a["fd"][i]), int(a["ts"][i]), int(a["op"][i]), int(a["dfd"][i])
+        if op != OP_OPEN:   # a close: the number no longer refers to its file; a dup: to the copied one's
+            remember(ctx, pid, fd, ts, resolve(ctx, pid, dfd, ts) if op == OP_DUP and dfd >= 0 else None)
+            continue
+        p = absolute(ctx, pid, dfd, path, ts)
         full.append(p)
         if fd >= 0:
             remember(ctx, pid, fd, ts, p)
+    a = a[a["op"] == OP_OPEN]
     return pa.table(
         {
             "ts_ns": pa.array(a["ts"], pa.uint64()),

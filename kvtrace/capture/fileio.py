@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from kvtrace.capture import fdopen
+from kvtrace.capture import fdopen, fdskip
 from kvtrace.capture.events import KIND_FILEIO, DecodeContext, decode_array, struct_dtype, weights
 
 NAME = "fileio"
@@ -29,12 +29,16 @@ VECTOR = {2, 3, 4, 7, 8, 9}
 READS = set(SYSCALLS[:5])
 
 
-def config(tp, trace_writes: bool = True) -> tuple[list[str], str | None]:
+def config(tp, trace_writes: bool = True, all_fds: bool = False) -> tuple[list[str], str | None]:
     needed = [("sys_enter_read", "sys_exit_read"), ("sys_enter_pread64", "sys_exit_pread64")]
     for enter, exit_ in needed:
         if not (tp("syscalls", enter) and tp("syscalls", exit_)):
             return [], f"syscalls:{enter} missing (CONFIG_FTRACE_SYSCALLS off?)"
-    return (["-DKV_TRACE_WRITES"] if trace_writes else []), None
+    flags = ["-DKV_TRACE_WRITES"] if trace_writes else []
+    # skipping descriptors that are not files needs to see every way a number is reused
+    if not all_fds and all(tp("syscalls", f"sys_enter_{c}") for c in ("close", "dup2", "dup3", "openat")):
+        flags.append("-DKV_FD_SKIP")
+    return flags, None
 
 
 def decode(raw: list[bytes], ctx: DecodeContext) -> pa.Table:
@@ -58,6 +62,8 @@ def decode(raw: list[bytes], ctx: DecodeContext) -> pa.Table:
                 for r in np.flatnonzero(inverse == j).tolist():
                     path = fdopen.resolve(ctx, pid, fd, int(a["ts_enter"][r]))
                     path_index[r] = dictionary.setdefault(path, len(dictionary))
+            if ctx.skip_fd is not None and fdskip.not_a_file(path):
+                ctx.skip_fd(pid, fd)   # a socket, pipe or eventfd (its latest row): the kernel skips it from now on
     ret = a["ret"].astype(np.int64)
     sys = np.clip(a["sys"].astype(np.int32), 0, len(SYSCALLS))
     is_vec = np.isin(sys, list(VECTOR))

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvtrace.agentflag import AgentFlag
-from kvtrace.capture import agg
+from kvtrace.capture import agg, fdskip
 from kvtrace.errors import OutputError
 from kvtrace.fabric import session as fabric
 from kvtrace.status import StatusLine
@@ -84,6 +84,7 @@ def run(cap: Capture, echo) -> tuple[object, str]:
         raw = open(cap.raw_out, "wb") if cap.raw_out else None
         pipeline = Pipeline(source, plan, writer, pids, command=" ".join(cap.command), raw_out=raw,
                             fresh_pids=(gated.pid,) if gated else ())
+        fdskip.start(pipeline, source)   # sockets, pipes, eventfds: skipped in the kernel
         if cap.otlp:
             from kvtrace.otlp.sink import OtlpSink
 

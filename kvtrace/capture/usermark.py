@@ -7,7 +7,7 @@ import struct
 import pyarrow as pa
 
 from kvtrace.capture.events import HEADER, KIND_USER, DecodeContext, struct_dtype
-from kvtrace.hook.wire import CODEC
+from kvtrace.hook.wire import CODEC, MAGIC
 
 NAME = "usermark"
 KIND = KIND_USER
@@ -38,10 +38,14 @@ def frames(raw: list[bytes]) -> list[tuple[int, int, int, bytes]]:
     return out
 
 
-def records(raw: list[bytes]) -> dict[str, list[dict]]:
-    """Every record of every frame, by record name, with the marker's ts/pid/tid added."""
+def records(raw: list[bytes], ctx: DecodeContext | None = None) -> dict[str, list[dict]]:
+    """Every record of every frame, by record name, with the marker's ts/pid/tid added.  A
+    frame the probe could not copy (empty) or that is not one is counted on ``ctx``."""
     out: dict[str, list[dict]] = {}
     for ts, pid, tid, frame in frames(raw):
+        if ctx is not None and not frame.startswith(MAGIC):
+            ctx.bad_frames += 1
+            continue
         for name, rec in CODEC.decode_frame(frame):
             rec.update(mark_ns=ts, pid=pid, tid=tid)
             out.setdefault(name, []).append(rec)
@@ -63,4 +67,4 @@ def schema_for(name: str) -> pa.Schema | None:
 
 
 def decode(raw: list[bytes], ctx: DecodeContext) -> dict[str, pa.Table]:
-    return {name: pa.Table.from_pylist(rows, schema=schema_for(name)) for name, rows in records(raw).items()}
+    return {name: pa.Table.from_pylist(rows, schema=schema_for(name)) for name, rows in records(raw, ctx).items()}

@@ -234,8 +234,32 @@ def _group(key: bytes) -> int:
 # EngineCore wrappers
 
 
+# The per-call wrappers (about ten calls a step): in vLLM's classes only while an agent is
+# attached; detached, vLLM runs its own methods and a step pays for the schedule wrapper alone.
+HOT = ("allocate_slots", "_maybe_evict_cached_block")
+_HOT_IN = [True]   # as installed
+
+
+def _hot(on: bool) -> None:
+    """Put the per-call wrappers in (on) or take them out, where the class still holds what
+    this module left there (another copy's or someone else's patch is not touched)."""
+    for (cls, attr), (had_own, original, wrapper) in list(_REGISTRY.items()):
+        if attr not in HOT:
+            continue
+        cur = cls.__dict__.get(attr)
+        if on and cur is not wrapper and ((cur is original) if had_own else attr not in cls.__dict__):
+            setattr(cls, attr, wrapper)
+        elif not on and cur is wrapper:
+            if had_own:
+                setattr(cls, attr, original)
+            else:
+                delattr(cls, attr)
+    _HOT_IN[0] = on
+
+
 def _engine_on(sched) -> None:
     global _ON
+    _hot(True)
     S.reset()
     S.on = True
     _ON = True
@@ -301,6 +325,8 @@ def _wrap_schedule(orig):
         if not (_refresh() if monotonic_ns() >= T.next_check else T.enabled):
             if S.on:
                 _engine_off()
+            if _HOT_IN[0]:
+                _hot(False)
             return orig(self, *args, **kwargs)
         if not S.on:
             _engine_on(self)
@@ -892,6 +918,7 @@ def uninstall() -> None:
         except Exception as e:
             T.error(e)
     _REGISTRY.clear()
+    _HOT_IN[0] = True
     try:
         from kvtrace.hook import api
 

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
@@ -169,3 +170,71 @@ def test_duration_stop_and_metadata(tmp_path):
     # wall clock derived once from the recorded offset: close to the wall time of the start
     import time
     assert abs((run["start_ns"] + run["clock_offset_ns"]) / 1e9 - time.time()) < 60
+
+
+FDS_SCRIPT = r"""
+import json, os, socket, sys, time
+out, f1, f2 = sys.argv[1:4]
+efd = os.eventfd(0)
+a, b = socket.socketpair()
+pr, pw = os.pipe()
+with open(f1, "wb") as f: f.write(b"x" * 8192)
+with open(f2, "wb") as f: f.write(b"y" * 8192)
+def chatter(n):
+    for _ in range(n):
+        os.eventfd_write(efd, 1); os.eventfd_read(efd)
+        a.send(b"p"); b.recv(1)
+        os.write(pw, b"q"); os.read(pr, 1)
+res = {"efd": efd, "sock": b.fileno(), "pipe": pr}
+chatter(20)                       # first seen: rows, and the decoder tells the kernel
+time.sleep(3)                     # a flush or two
+res["t1"] = time.monotonic_ns()
+chatter(500)                      # skipped in the kernel: no rows, no counts
+res["t2"] = time.monotonic_ns()
+fd = os.open(f1, os.O_RDONLY)     # a file: traced
+for _ in range(7): os.pread(fd, 4096, 0)
+sock = b.fileno(); b.close()      # the socket's number, reused for a file (lowest free number)
+g = os.open(f2, os.O_RDONLY)
+res["reused"] = g == sock
+for _ in range(5): os.pread(g, 4096, 0)
+d = os.open(f1, os.O_RDONLY)      # a file duplicated onto the eventfd's number
+os.dup2(d, efd)
+for _ in range(3): os.pread(efd, 4096, 0)
+res["t3"] = time.monotonic_ns()
+json.dump(res, open(out, "w"))
+"""
+
+
+def test_descriptors_that_are_not_files_are_skipped_in_the_kernel(tmp_path):
+    """Sockets, pipes and eventfds: traced until the decoder has seen them once, then skipped by
+    the kernel (no rows, no file_agg counts); a file opened or dup2'ed onto a skipped number is
+    traced again, every call.  --all-fds keeps them all."""
+    f1, f2, res = tmp_path / "f1", tmp_path / "f2", tmp_path / "res.json"
+    p = run_kvtrace("attach", "--quiet", "--out", str(tmp_path / "ds"), "--", sys.executable, "-c", FDS_SCRIPT,
+                    str(res), str(f1), str(f2), timeout=300)
+    assert p.returncode == 0, p.stderr
+    truth = json.loads(res.read_text())
+    assert truth["reused"]
+    ds = Dataset.open(tmp_path / "ds")
+    io = ds.table("file_io").to_pylist()
+    chatter = [r for r in io if r["path"].startswith(("socket:", "pipe:", "anon_inode:"))]
+    assert chatter and all(r["start_ns"] < truth["t1"] for r in chatter)   # none once skipped
+    files = Counter((r["path"], r["fd"], r["syscall"]) for r in io if r["start_ns"] >= truth["t2"])
+    (f1fd,) = {fd for (pth, fd, _) in files if pth == str(f1) and fd != truth["efd"]}
+    assert files[(str(f1), f1fd, "pread64")] == 7
+    assert files[(str(f2), truth["sock"], "pread64")] == 5
+    assert files[(str(f1), truth["efd"], "pread64")] == 3
+    assert len(chatter) == 4 * 20                        # eventfd and pipe, a write and a read each, first 20 rounds
+    # the kernel's exact counts hold what was traced: the 500 rounds after the skip are not in them
+    assert sum(r["calls"] for r in ds.table("file_agg").to_pylist()) == len(io)
+    (run,) = ds.runs()
+    skip = next(s for s in json.loads(run["sidecars"]) if s["name"] == "fd_skip")
+    assert skip["skipped_fds"] >= 3
+    # --all-fds: every call of the same workload traced
+    p = run_kvtrace("attach", "--quiet", "--all-fds", "--out", str(tmp_path / "all"), "--", sys.executable, "-c",
+                    FDS_SCRIPT, str(res), str(f1), str(f2), timeout=300)
+    assert p.returncode == 0, p.stderr
+    truth = json.loads(res.read_text())
+    io = Dataset.open(tmp_path / "all").table("file_io").to_pylist()
+    late = [r for r in io if r["path"].startswith("anon_inode:") and truth["t1"] <= r["start_ns"] <= truth["t2"]]
+    assert len(late) == 2 * 500                           # eventfd write + read per round

@@ -349,6 +349,12 @@ SELFTEST = textwrap.dedent(r'''
     out["n_patched"] = len(h._REGISTRY)
     out["again"] = h.install(["engine", "worker"]) and len(h._REGISTRY) == out["n_patched"] and \
         all(t[0].__dict__[t[1]] is wrapped[t] for t in targets)
+    # detached, the per-call wrappers are out of vLLM's classes; an attach puts them back
+    h._hot(False)
+    out["hot_out"] = [t[1] for t in targets if t[0].__dict__[t[1]] is orig[t]]
+    h._hot(True)
+    out["hot_in"] = all(t[0].__dict__[t[1]] is wrapped[t] for t in targets)
+    h._hot(False)                             # uninstall restores whichever is in place
     spec = importlib.util.spec_from_file_location("kvtrace_hook_copy", h.__file__)
     h2 = importlib.util.module_from_spec(spec); spec.loader.exec_module(h2)
     h2.install(["engine", "worker"])
@@ -446,6 +452,8 @@ def test_mismatch_leaves_vllm_untouched(selftest):
 def test_install_idempotent_and_uninstall_restores(selftest):
     assert selftest["installed"] and selftest["n_patched"] == 6
     assert selftest["again"], "a second install() changed the patches"
+    assert selftest["hot_out"] == ["allocate_slots", "_maybe_evict_cached_block"], "per-call wrappers left in, detached"
+    assert selftest["hot_in"], "an attach did not put the per-call wrappers back"
     assert selftest["copy_wraps_originals"], "a second module copy stacked wrappers"
     assert selftest["restored_by_copy"] and selftest["restored"]
     assert selftest["connector_restored"] and selftest["api_after_uninstall"] is False

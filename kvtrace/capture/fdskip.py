@@ -1,0 +1,78 @@
+"""Descriptors that are not files, told to the kernel so fileio.bpf.c skips them.
+
+A serving process reads and writes sockets, pipes and eventfds far more often than files
+(vLLM's engine and API processes talk over ZeroMQ and wake each other with eventfds); none
+of it is storage.  When a decoded file_io row's descriptor resolves to one of those, its
+(pid, fd) goes into the probe's ``fd_skip`` map, and from then on the kernel does not even
+time those calls.  The kernel takes the number out on close, dup2/dup3 onto it, or an open
+returning it (kvtrace.h).  /proc is asked right before and right after the insert, so a
+number closed and reopened as a file in between is taken out again at once.
+"""
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+NOT_FILES = ("socket:", "pipe:", "anon_inode:")
+
+
+def not_a_file(path: str) -> bool:
+    return path.startswith(NOT_FILES)
+
+
+def _current(pid: int, fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return ""
+
+
+class FdSkip:
+    """``skip(pid, fd)`` puts a descriptor that is not a file into the probe's map; a pipeline
+    sidecar for its counts (run row)."""
+
+    name = "fd_skip"
+
+    def __init__(self, table, current=_current):
+        self.t = table
+        self.current = current
+        self.c = Counter()
+
+    def __call__(self, pid: int, fd: int) -> None:
+        if not not_a_file(self.current(pid, fd)):
+            return   # closed, or reused for a file, since the event: keep tracing it
+        key = self.t.Key(pid, fd)
+        try:
+            self.t[key] = self.t.Leaf(1)
+        except Exception:
+            self.c["map_errors"] += 1
+            return
+        if not not_a_file(self.current(pid, fd)):
+            try:
+                del self.t[key]
+            except Exception:
+                pass
+            self.c["undone"] += 1
+            return
+        self.c["skipped_fds"] += 1
+
+    def drain(self) -> dict:
+        return {}
+
+    def stats(self) -> dict:
+        return dict(self.c)
+
+    def close(self) -> None:
+        """Nothing to release: the map belongs to the BPF program."""
+
+
+def start(pipeline, source) -> FdSkip | None:
+    """When the fileio probe skips descriptors (KV_FD_SKIP), let its decoder tell it which."""
+    try:
+        table = source.bpf["fd_skip"]
+    except Exception:   # no bcc source, fileio not attached, or --all-fds
+        return None
+    skip = FdSkip(table)
+    pipeline.ctx.skip_fd = skip
+    pipeline.add_sidecar(skip)
+    return skip
