@@ -29,14 +29,14 @@ VECTOR = {2, 3, 4, 7, 8, 9}
 READS = set(SYSCALLS[:5])
 
 
-def config(tp, trace_writes: bool = True, all_fds: bool = False) -> tuple[list[str], str | None]:
+def config(tp, trace_writes: bool = True, skip_fds: bool = False) -> tuple[list[str], str | None]:
     needed = [("sys_enter_read", "sys_exit_read"), ("sys_enter_pread64", "sys_exit_pread64")]
     for enter, exit_ in needed:
         if not (tp("syscalls", enter) and tp("syscalls", exit_)):
             return [], f"syscalls:{enter} missing (CONFIG_FTRACE_SYSCALLS off?)"
     flags = ["-DKV_TRACE_WRITES"] if trace_writes else []
     # skipping descriptors that are not files needs to see every way a number is reused
-    if not all_fds and all(tp("syscalls", f"sys_enter_{c}") for c in ("close", "dup2", "dup3", "openat")):
+    if skip_fds and all(tp("syscalls", f"sys_enter_{c}") for c in ("close", "dup2", "dup3", "openat")):
         flags.append("-DKV_FD_SKIP")
     return flags, None
 

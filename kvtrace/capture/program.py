@@ -27,7 +27,7 @@ def plan(
     trace_writes: bool = True,
     tp=tracefs.tracepoint_exists,
     extra: list | None = None,
-    all_fds: bool = False,
+    skip_fds: bool = False,
 ) -> Plan:
     """Select the probes this kernel supports; ``extra`` adds probe modules (e.g. user markers)."""
     cflags = [f"-I{bpf.SOURCE_DIR}", f"-DKV_RINGBUF_PAGES={ringbuf_pages}", "-Wno-macro-redefined"]
@@ -40,7 +40,7 @@ def plan(
             skipped[probe.NAME] = "not selected"
             continue
         if probe.NAME == "fileio":
-            flags, why = probe.config(tp, trace_writes=trace_writes, all_fds=all_fds)
+            flags, why = probe.config(tp, trace_writes=trace_writes, skip_fds=skip_fds)
         else:
             flags, why = probe.config(tp)
         if why:

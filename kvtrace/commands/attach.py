@@ -17,8 +17,9 @@ from kvtrace.vllm.select import choose_server, server_of
 @click.option("--duration", type=float, default=None, help="Stop after this many seconds.")
 @click.option("--probe", "probe_names", multiple=True, type=click.Choice(sorted(BY_NAME)), help="Only these probes (default: all this kernel supports).")
 @click.option("--no-writes", is_flag=True, help="Do not trace write system calls.")
-@click.option("--all-fds", is_flag=True, help="Also trace reads and writes on sockets, pipes and eventfds (by default the "
-                                              "kernel skips a descriptor once /proc says it is not a file).")
+@click.option("--skip-nonfile-fds", "skip_fds", is_flag=True,
+              help="Experimental: let the kernel skip reads and writes on sockets, pipes and eventfds once /proc says "
+                   "a descriptor is not a file (fewer events; see README before using it with the vLLM hook).")
 @click.option("--ringbuf-pages", type=int, default=4096, show_default=True, help="Ring buffer size in pages (a power of two).")
 @click.option("--flush-interval", type=float, default=1.0, show_default=True, help="Seconds between Parquet part files (a crash loses at most this much).")
 @click.option("--quiet", is_flag=True, help="No live status line.")
@@ -41,7 +42,7 @@ from kvtrace.vllm.select import choose_server, server_of
                    "or follow (wait for a vLLM server on the same port, trace its new processes, inject the hook again).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @fabric.options
-def command(pids, out, duration, probe_names, no_writes, all_fds, ringbuf_pages, flush_interval, quiet, sampling, raw_out, port, yes,
+def command(pids, out, duration, probe_names, no_writes, skip_fds, ringbuf_pages, flush_interval, quiet, sampling, raw_out, port, yes,
             kv_events, kv_replay, metrics_url, metrics_interval, otlp, otlp_protocol, inject, on_restart, command) -> int:
     """Attach kernel probes to processes and record their I/O.
 
@@ -87,7 +88,7 @@ def command(pids, out, duration, probe_names, no_writes, all_fds, ringbuf_pages,
     pids = targets.check_pids(list(pids))
     writer = DatasetWriter(out, new_run_id(), default_host())
     plan = program.plan(list(probe_names) or None, ringbuf_pages=ringbuf_pages, trace_writes=not no_writes,
-                        all_fds=all_fds)
+                        skip_fds=skip_fds)
     cap = session.Capture(plan, writer, pids, out, list(command), server, duration, flush_interval, sampling, raw_out,
                           otlp, otlp_protocol, kv_events, kv_replay, metrics_url, metrics_interval, inject,
                           on_restart, quiet)
