@@ -224,7 +224,10 @@ def test_descriptors_that_are_not_files_are_skipped_in_the_kernel(tmp_path):
     assert files[(str(f1), f1fd, "pread64")] == 7
     assert files[(str(f2), truth["sock"], "pread64")] == 5
     assert files[(str(f1), truth["efd"], "pread64")] == 3
-    assert len(chatter) == 4 * 20                        # eventfd and pipe, a write and a read each, first 20 rounds
+    # eventfd and pipe, a write and a read each, first 20 rounds.  Not exact: on this kernel a
+    # syscall's program is now and then not run at all (another BPF program held the CPU's
+    # bpf_prog_active; nothing counts it), 1 call in 2000 in CI
+    assert 4 * 20 - 2 <= len(chatter) <= 4 * 20
     # the kernel's exact counts hold what was traced: the 500 rounds after the skip are not in them
     assert sum(r["calls"] for r in ds.table("file_agg").to_pylist()) == len(io)
     (run,) = ds.runs()
@@ -237,4 +240,4 @@ def test_descriptors_that_are_not_files_are_skipped_in_the_kernel(tmp_path):
     truth = json.loads(res.read_text())
     io = Dataset.open(tmp_path / "all").table("file_io").to_pylist()
     late = [r for r in io if r["path"].startswith("anon_inode:") and truth["t1"] <= r["start_ns"] <= truth["t2"]]
-    assert len(late) == 2 * 500                           # eventfd write + read per round
+    assert 2 * 500 - 10 <= len(late) <= 2 * 500           # eventfd write + read per round (see above)
