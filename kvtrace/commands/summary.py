@@ -42,14 +42,18 @@ def summarize(ds: Dataset, run: str | None = None) -> dict:
     return {"runs": runs, "tables": tables, "problems": ds.problems}
 
 
-def sink_lines(run: dict) -> list[str]:
-    """One line per live sink of a run (the OTLP exporter): what it built, sent and dropped."""
+def _json_list(run: dict, key: str) -> list[dict]:
+    """A run row's JSON list column (sinks, sidecars); [] when absent or unreadable."""
     try:
-        sinks = json.loads(run.get("sinks") or "[]")
+        return json.loads(run.get(key) or "[]")
     except (TypeError, ValueError):
         return []
+
+
+def sink_lines(run: dict) -> list[str]:
+    """One line per live sink of a run (the OTLP exporter): what it built, sent and dropped."""
     out = []
-    for s in sinks:
+    for s in _json_list(run, "sinks"):
         if s.get("name") != "otlp":
             continue
         out.append(f"  otlp {s.get('protocol')} {s.get('url')}: {s.get('spans_built', 0)} spans built, "
@@ -62,12 +66,8 @@ def sink_lines(run: dict) -> list[str]:
 def untraced_lines(run: dict) -> list[str]:
     """Completions the kernel did not run a probe for (it interrupted another BPF program on that
     CPU), counted all the same (kvtrace.capture.settle), and what was still open at the stop."""
-    try:
-        sidecars = json.loads(run.get("sidecars") or "[]")
-    except (TypeError, ValueError):
-        return []
     out = []
-    for s in sidecars:
+    for s in _json_list(run, "sidecars"):
         if s.get("name") == "nvme_queue" and (s.get("unseen") or s.get("open_at_stop")):
             out.append(f"  nvme: {s.get('completions', 0)} completions, {s.get('unseen', 0)} of them not traced "
                        f"(counted from the queue's next setup or the idle disk at the stop), "
