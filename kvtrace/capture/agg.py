@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from kvtrace.capture import fileio, iouring, settle
-from kvtrace.capture.events import KIND_BLOCK, KIND_FILEIO, KIND_URING, NKINDS
+from kvtrace.capture.events import KIND_BLOCK, KIND_FILEIO, KIND_URING, NKINDS, map_items as _items
 from kvtrace.dataset import schema
 
 MAX_SHIFT = 15
@@ -63,13 +63,6 @@ def parse_mode(text: str) -> str | int:
     if n < 1 or n & (n - 1) or n > 1 << MAX_SHIFT:
         raise UsageError(f"--sampling {text}: give auto, off, or N (keep 1 in N raw events; a power of two, 1..{1 << MAX_SHIFT})")
     return n
-
-
-def _items(table) -> list:
-    try:
-        return list(table.items_lookup_batch())
-    except Exception:
-        return list(table.items())
 
 
 def _int(v) -> int:

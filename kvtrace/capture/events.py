@@ -108,3 +108,12 @@ class DecodeContext:
                 name = self.dev_names.get(dev) or f"{major}:{minor}"
             self.dev_names[dev] = name
         return name
+
+
+def map_items(table) -> list:
+    """(key, value) pairs of a BPF map (a bcc table, or any object with items()), in one batch
+    syscall where the kernel has it."""
+    try:
+        return list(table.items_lookup_batch())
+    except Exception:
+        return list(table.items())

@@ -19,18 +19,11 @@ import numpy as np
 import pyarrow as pa
 
 from kvtrace.capture import blockio, nvme
-from kvtrace.capture.events import KIND_BLOCK, DecodeContext
+from kvtrace.capture.events import KIND_BLOCK, DecodeContext, map_items as _items
 
 NVME_FIELDS = ("ts", "slba", "nsid", "nlb", "bytes", "tgid", "tid", "setup_tid", "cid", "opcode", "fctype", "flags",
                "issuer", "xflags")
 BLOCK_FIELDS = ("ts_start", "ts_issue", "tgid", "tid", "bytes", "from_dev")
-
-
-def _items(table) -> list:
-    try:
-        return list(table.items_lookup_batch())
-    except Exception:
-        return list(table.items())
 
 
 def inflight(root: str, disk: str) -> int | None:

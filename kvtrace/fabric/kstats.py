@@ -25,6 +25,7 @@ from collections import Counter
 import pyarrow as pa
 
 from kvtrace.capture import settle
+from kvtrace.capture.events import map_items as _items
 from kvtrace.capture.nvme import OPCLASSES, lba_bytes, want_topology
 from kvtrace.dataset import schema
 
@@ -32,13 +33,6 @@ QFIELDS = ("setups", "completions", "bytes", "latency_ns", "errors", "retried", 
            "sq_occ_sum")
 CQFIELDS = ("polls", "completions", "full_polls", "wakeups", "wakeup_lat_us", "wakeup_lat_max_us", "interrupts",
             "reschedules")
-
-
-def _items(table) -> list:
-    try:
-        return list(table.items_lookup_batch())
-    except Exception:
-        return list(table.items())
 
 
 def _int(v) -> int:
