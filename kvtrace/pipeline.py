@@ -153,6 +153,11 @@ class Pipeline:
                 lost[name] = lost.get(name, 0) + sidecar.lost()
         return lost
 
+    def kernel_skips(self) -> dict[str, int]:
+        """{event: times the kernel did not run kvtrace's program for it} (kvtrace.capture.progstats)."""
+        fn = getattr(self.source, "kernel_skips", None)
+        return fn() if fn is not None else {}
+
     def add_sidecar(self, sidecar) -> None:
         """A source beside the ring buffer (vLLM KV events, /metrics) running on its own thread:
         ``drain() -> {table: pa.Table}`` each step, ``stats() -> dict`` into the run row, and
@@ -183,6 +188,7 @@ class Pipeline:
             "events": json.dumps(self.totals.events),
             "lost_events": json.dumps(self.lost_by_table()),
             "dropped_events": self.source.dropped,
+            "kernel_skips": json.dumps(self.kernel_skips()),
             "sidecars": json.dumps([{"name": getattr(s, "name", type(s).__name__), **s.stats()} for s in self.sidecars]),
             "sinks": json.dumps([s.stats() for s in self.sinks]),
             "sampling": json.dumps(self.sampling()),

@@ -13,7 +13,7 @@ import sys
 import threading
 
 from kvtrace import phases
-from kvtrace.capture import events
+from kvtrace.capture import events, progstats
 from kvtrace.capture.program import Plan
 from kvtrace.capture.ringbuf import RingReader
 from kvtrace.errors import CaptureError
@@ -182,6 +182,15 @@ class Source:
             if total:
                 out[k] = int(total)
         return out
+
+    def kernel_skips(self) -> dict[str, int]:
+        """Events the kernel did not run kvtrace's program for, per event, as the kernel counts
+        them (kvtrace.capture.progstats; {} where it does not count)."""
+        try:
+            funcs = {name.decode() if isinstance(name, bytes) else name: f.fd for name, f in self.bpf.funcs.items()}
+        except Exception:
+            return {}
+        return progstats.misses(funcs)
 
     def close(self) -> None:
         self._stopping.set()

@@ -67,6 +67,11 @@ def untraced_lines(run: dict) -> list[str]:
     """Completions the kernel did not run a probe for (it interrupted another BPF program on that
     CPU), counted all the same (kvtrace.capture.settle), and what was still open at the stop."""
     out = []
+    skips = run.get("kernel_skips") or {}
+    if skips:
+        top = ", ".join(f"{k} {v}" for k, v in sorted(skips.items(), key=lambda kv: -kv[1])[:6])
+        out.append(f"  kernel: {sum(skips.values())} events the kernel did not run kvtrace's program for "
+                   f"(another BPF program held that CPU; its recursion_misses): {top}")
     for s in _json_list(run, "sidecars"):
         if s.get("name") == "nvme_queue" and (s.get("unseen") or s.get("open_at_stop")):
             out.append(f"  nvme: {s.get('completions', 0)} completions, {s.get('unseen', 0)} of them not traced "

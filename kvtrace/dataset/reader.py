@@ -85,7 +85,7 @@ class Dataset:
     def runs(self) -> list[dict]:
         rows = self.table("runs").to_pylist()
         for r in rows:
-            for key in ("probes_skipped", "events", "lost_events", "sampling"):
+            for key in ("probes_skipped", "events", "lost_events", "sampling", "kernel_skips"):
                 if isinstance(r.get(key), str):
                     r[key] = json.loads(r[key])
         return rows

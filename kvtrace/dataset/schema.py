@@ -189,7 +189,7 @@ RUNS = pa.schema([
     ("start_ns", u64), ("stop_ns", u64), ("clock_offset_ns", i64), ("start_wall", s),
     ("pids", pa.list_(u32)), ("command", s), ("probes_attached", pa.list_(s)),
     ("probes_skipped", s), ("events", s), ("lost_events", s), ("dropped_events", u64),
-    ("sidecars", s), ("sinks", s), ("sampling", s),
+    ("sidecars", s), ("sinks", s), ("sampling", s), ("kernel_skips", s),
 ])
 
 
