@@ -26,23 +26,38 @@ def config(tp) -> tuple[list[str], str | None]:
     return [], None
 
 
-def frames(raw: list[bytes]) -> list[tuple[int, int, int, bytes]]:
-    """(ts, pid, tid, frame bytes) of each marker event."""
+def frames(raw: list[bytes], ctx: DecodeContext | None = None) -> list[tuple[int, int, int, bytes]]:
+    """(ts, pid, tid, frame bytes) of each marker event.  An item may hold a run of events back
+    to back (the ring reader cuts runs of same-sized events of one kind in one piece): each
+    event's header says its size.  A piece too short for its header, or whose size does not
+    fit, is counted on ``ctx`` as malformed."""
     out = []
     for r in raw:
-        if len(r) < 32:
-            continue
-        _kind, _ver, _size, _cpu, ts, tgid, tid = HDR.unpack_from(r, 0)
-        (n,) = struct.unpack_from("<I", r, 24)
-        out.append((ts, tgid, tid, r[32:32 + n]))
+        pos, end = 0, len(r)
+        while pos < end:
+            if end - pos < 32:
+                _malformed(ctx)
+                break
+            _kind, _ver, size, _cpu, ts, tgid, tid = HDR.unpack_from(r, pos)
+            (n,) = struct.unpack_from("<I", r, pos + 24)
+            if size < 32 or pos + size > end or n > size - 32:
+                _malformed(ctx)
+                break
+            out.append((ts, tgid, tid, r[pos + 32:pos + 32 + n]))
+            pos += size
     return out
+
+
+def _malformed(ctx: DecodeContext | None) -> None:
+    if ctx is not None:
+        ctx.malformed += 1
 
 
 def records(raw: list[bytes], ctx: DecodeContext | None = None) -> dict[str, list[dict]]:
     """Every record of every frame, by record name, with the marker's ts/pid/tid added.  A
     frame the probe could not copy (empty) or that is not one is counted on ``ctx``."""
     out: dict[str, list[dict]] = {}
-    for ts, pid, tid, frame in frames(raw):
+    for ts, pid, tid, frame in frames(raw, ctx):
         if ctx is not None and not frame.startswith(MAGIC):
             ctx.bad_frames += 1
             continue
