@@ -13,7 +13,7 @@ from __future__ import annotations
 import fcntl
 import os
 
-from kvtrace.hook.transport import FLAG_PATH
+from kvtrace.hook.transport import FLAG_PATH, entry_live
 
 
 class AgentFlag:
@@ -41,6 +41,7 @@ class AgentFlag:
 
     def __enter__(self) -> "AgentFlag":
         self._create(self.dir)
+        self.pruned = prune(self.dir)
         return self
 
     def add_root(self, root: str) -> bool:
@@ -64,6 +65,26 @@ class AgentFlag:
                 pass
             os.close(fd)
         self.held = []
+
+
+def prune(path: str) -> int:
+    """Remove the entries of agents that are gone (SIGKILLed agents leave theirs behind; the
+    hook opens every entry at each re-check, so they would pile up).  An entry is written whole
+    and already locked, so one nobody holds is stale.  Returns how many were removed."""
+    removed = 0
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return 0
+    for name in names:
+        entry = os.path.join(path, name)
+        if name.isdigit() and not entry_live(entry, name):
+            try:
+                os.unlink(entry)
+                removed += 1
+            except OSError:
+                pass
+    return removed
 
 
 def _same(a: str, b: str) -> bool:

@@ -90,3 +90,27 @@ def test_checking_leaves_no_lock_behind(tmp_path):
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # would raise if the check kept its lock
     finally:
         os.close(fd)
+
+
+def test_a_new_agent_removes_the_entries_of_agents_gone(tmp_path):
+    """SIGKILLed agents leave entries the hook would open at every re-check: the next agent
+    removes them, and only them."""
+    d = str(tmp_path / "agents")
+    code = ("import sys, time; from kvtrace.agentflag import AgentFlag; AgentFlag(sys.argv[1]).__enter__(); "
+            "print('ready', flush=True); time.sleep(60)")
+    procs = [subprocess.Popen([sys.executable, "-c", code, d], stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready"
+        for p in procs[:2]:
+            p.send_signal(signal.SIGKILL)
+            p.wait(10)
+        assert sorted(os.listdir(d)) == sorted(str(p.pid) for p in procs)
+        with AgentFlag(d) as flag:
+            assert flag.pruned == 2
+            assert sorted(os.listdir(d)) == sorted([str(procs[2].pid), str(os.getpid())])
+            assert transport.agent_pids(d) == sorted([procs[2].pid, os.getpid()])
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
