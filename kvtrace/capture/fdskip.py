@@ -1,5 +1,5 @@
 """Descriptors that are not files, told to the kernel so fileio.bpf.c skips them
-(``kvtrace attach --skip-nonfile-fds``; experimental, off by default: see README).
+(on by default; ``kvtrace attach --trace-nonfile-fds`` turns it off).
 
 A serving process reads and writes sockets, pipes and eventfds far more often than files
 (vLLM's engine and API processes talk over ZeroMQ and wake each other with eventfds); none
@@ -71,7 +71,7 @@ def start(pipeline, source) -> FdSkip | None:
     """When the fileio probe skips descriptors (KV_FD_SKIP), let its decoder tell it which."""
     try:
         table = source.bpf["fd_skip"]
-    except Exception:   # no bcc source, fileio not attached, or no --skip-nonfile-fds
+    except Exception:   # no bcc source, fileio not attached, or --trace-nonfile-fds
         return None
     skip = FdSkip(table)
     pipeline.ctx.skip_fd = skip

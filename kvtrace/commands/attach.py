@@ -17,9 +17,9 @@ from kvtrace.vllm.select import choose_server, server_of
 @click.option("--duration", type=float, default=None, help="Stop after this many seconds.")
 @click.option("--probe", "probe_names", multiple=True, type=click.Choice(sorted(BY_NAME)), help="Only these probes (default: all this kernel supports).")
 @click.option("--no-writes", is_flag=True, help="Do not trace write system calls.")
-@click.option("--skip-nonfile-fds", "skip_fds", is_flag=True,
-              help="Experimental: let the kernel skip reads and writes on sockets, pipes and eventfds once /proc says "
-                   "a descriptor is not a file (fewer events; see README before using it with the vLLM hook).")
+@click.option("--skip-nonfile-fds/--trace-nonfile-fds", "skip_fds", default=True, show_default=True,
+              help="Let the kernel skip reads and writes on sockets, pipes and eventfds once /proc says a descriptor "
+                   "is not a file (far fewer events from a serving process); --trace-nonfile-fds traces them all.")
 @click.option("--ringbuf-pages", type=int, default=4096, show_default=True, help="Ring buffer size in pages (a power of two).")
 @click.option("--flush-interval", type=float, default=1.0, show_default=True, help="Seconds between Parquet part files (a crash loses at most this much).")
 @click.option("--quiet", is_flag=True, help="No live status line.")

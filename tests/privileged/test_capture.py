@@ -208,9 +208,9 @@ json.dump(res, open(out, "w"))
 def test_descriptors_that_are_not_files_are_skipped_in_the_kernel(tmp_path):
     """Sockets, pipes and eventfds: traced until the decoder has seen them once, then skipped by
     the kernel (no rows, no file_agg counts); a file opened or dup2'ed onto a skipped number is
-    traced again, every call.  Without --skip-nonfile-fds (the default) they are all traced."""
+    traced again, every call.  With --trace-nonfile-fds they are all traced."""
     f1, f2, res = tmp_path / "f1", tmp_path / "f2", tmp_path / "res.json"
-    p = run_kvtrace("attach", "--quiet", "--skip-nonfile-fds", "--out", str(tmp_path / "ds"), "--", sys.executable, "-c", FDS_SCRIPT,
+    p = run_kvtrace("attach", "--quiet", "--out", str(tmp_path / "ds"), "--", sys.executable, "-c", FDS_SCRIPT,
                     str(res), str(f1), str(f2), timeout=300)
     assert p.returncode == 0, p.stderr
     truth = json.loads(res.read_text())
@@ -233,8 +233,8 @@ def test_descriptors_that_are_not_files_are_skipped_in_the_kernel(tmp_path):
     (run,) = ds.runs()
     skip = next(s for s in json.loads(run["sidecars"]) if s["name"] == "fd_skip")
     assert skip["skipped_fds"] >= 3
-    # the default: every call of the same workload traced
-    p = run_kvtrace("attach", "--quiet", "--out", str(tmp_path / "all"), "--", sys.executable, "-c",
+    # --trace-nonfile-fds: every call of the same workload traced
+    p = run_kvtrace("attach", "--quiet", "--trace-nonfile-fds", "--out", str(tmp_path / "all"), "--", sys.executable, "-c",
                     FDS_SCRIPT, str(res), str(f1), str(f2), timeout=300)
     assert p.returncode == 0, p.stderr
     truth = json.loads(res.read_text())
