@@ -212,6 +212,6 @@ TRACEPOINT_PROBE(block, block_rq_complete)
     e->weight = weight;
     __builtin_memcpy(e->rwbs, st.rwbs, sizeof(e->rwbs));
     __builtin_memcpy(e->comm, st.comm, sizeof(e->comm));
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
     return 0;
 }

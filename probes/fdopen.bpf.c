@@ -71,7 +71,7 @@ static __always_inline int kv_open_exit(s64 ret)
     e->flags = st.flags;
     e->op = KV_FD_OPEN;
     bpf_probe_read_user_str(e->path, sizeof(e->path), (const void *)st.filename);
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
     return 0;
 }
 
@@ -108,7 +108,7 @@ static __always_inline int kv_fd_gone(s64 fd, u32 op, s64 oldfd)
     e->flags = 0;
     e->op = op;
     e->path[0] = 0;
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
     return 0;
 }
 

@@ -94,7 +94,7 @@ static __always_inline int kv_sys_exit(s64 ret)
     e->fd = st.fd;
     e->sys = st.sys;
     e->weight = weight;
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
     return 0;
 }
 

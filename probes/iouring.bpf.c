@@ -93,6 +93,6 @@ TRACEPOINT_PROBE(io_uring, io_uring_complete)
     e->opcode = st.opcode;
     e->weight = weight;
     e->complete_tid = (u32)bpf_get_current_pid_tgid();
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
     return 0;
 }

@@ -46,6 +46,32 @@ struct kv_hdr {
 };
 
 BPF_RINGBUF_OUTPUT(events, KV_RINGBUF_PAGES);
+/* Wakeups.  The agent reads the ring buffer on a timer (kvtrace/capture/loader.py), so a record
+ * needs no wakeup of its own: with one per record, the agent was woken hundreds of times a
+ * second onto a CPU the traced server was using.  Records are submitted with BPF_RB_NO_WAKEUP
+ * while the bytes submitted since the reader last zeroed rb_unread stay under KV_WAKE_BYTES (a
+ * quarter of the ring); past that every submit wakes the reader, so a burst is read before it
+ * can fill the ring. */
+#ifndef KV_WAKE_BYTES
+#define KV_WAKE_BYTES ((u64)KV_RINGBUF_PAGES * PAGE_SIZE / 4)
+#endif
+BPF_ARRAY(rb_unread, u64, 1);
+
+static __always_inline u64 kv_wake_flags(u64 size)
+{
+    int zero = 0;
+    u64 *n = rb_unread.lookup(&zero);
+    if (!n)
+        return BPF_RB_FORCE_WAKEUP;
+    __sync_fetch_and_add(n, size);
+    return *n >= KV_WAKE_BYTES ? BPF_RB_FORCE_WAKEUP : BPF_RB_NO_WAKEUP;
+}
+
+/* Submit a reserved record of this size (every probe uses this, never ringbuf_submit(e, 0)). */
+static __always_inline void kv_submit(void *e, u64 size)
+{
+    events.ringbuf_submit(e, kv_wake_flags(size));
+}
 /* Failed ring-buffer reserves, per kind: the ring buffer has no lost callback. */
 BPF_PERCPU_ARRAY(lost, u64, KV_NKINDS);
 /* Processes being traced (by tgid); children are added at fork. */

@@ -391,7 +391,7 @@ TRACEPOINT_PROBE(nvme, nvme_setup_cmd)
         kv_nvme_count(&k, &old, oc, 0, 0, 0, 0);
         struct kv_nvme_event *e = kv_nvme_event(&k, &old, s.ts, oc, KV_NVME_REC_UNSEEN, 1);
         if (e)
-            events.ringbuf_submit(e, 0);
+            kv_submit(e, sizeof(*e));
     }
     nvme_start.update(&k, &s);
     struct kv_nvme_qstat *q = kv_nvme_qstat(k.ctrl_id, k.qid, kv_nvme_opclass(qid, opcode));
@@ -489,7 +489,7 @@ TRACEPOINT_PROBE(nvme, nvme_complete_rq)
 #ifdef KV_NVME_HAVE_DISK
     bpf_probe_read_kernel(e->disk, sizeof(e->disk), (void *)args->disk);
 #endif
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
     return 0;
 }
 
@@ -543,7 +543,7 @@ TRACEPOINT_PROBE(nvme, nvme_async_event)
     e->weight = 1;
     e->sq_occ = 0xffff;
     e->rec = KV_NVME_REC_AEN;
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
     return 0;
 }
 #endif

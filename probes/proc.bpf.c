@@ -29,7 +29,7 @@ TRACEPOINT_PROBE(sched, sched_process_fork)
     e->child = child;
     e->op = 1;
     bpf_get_current_comm(e->comm, sizeof(e->comm)); /* a child starts with its parent's comm */ 
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
     return 0;
 }
 
@@ -54,6 +54,6 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
     e->child = 0;
     e->op = 2;
     bpf_get_current_comm(e->comm, sizeof(e->comm));
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
     return 0;
 }

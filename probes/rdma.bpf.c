@@ -101,7 +101,7 @@ TRACEPOINT_PROBE(rdma_cma, cm_event_handler)
     e->event = args->event;
     e->status = args->status;
     kv_rdma_addrs(e, args->srcaddr, args->dstaddr);
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
     return 0;
 }
 #endif
@@ -116,7 +116,7 @@ TRACEPOINT_PROBE(rdma_cma, cm_event_done)
     e->event = args->event;
     e->status = args->result;
     kv_rdma_addrs(e, args->srcaddr, args->dstaddr);
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
     return 0;
 }
 #endif
@@ -130,7 +130,7 @@ TRACEPOINT_PROBE(rdma_cma, cm_req_handler)
     e->tos = args->tos;
     e->event = args->event;
     kv_rdma_addrs(e, args->srcaddr, args->dstaddr);
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
     return 0;
 }
 #endif
@@ -144,7 +144,7 @@ TRACEPOINT_PROBE(rdma_cma, cm_send_req)
     e->tos = args->tos;
     e->qp_num = args->qp_num;
     kv_rdma_addrs(e, args->srcaddr, args->dstaddr);
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
     return 0;
 }
 #endif
@@ -158,7 +158,7 @@ TRACEPOINT_PROBE(rdma_cma, cm_send_rep)
     e->tos = args->tos;
     e->qp_num = args->qp_num;
     kv_rdma_addrs(e, args->srcaddr, args->dstaddr);
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
     return 0;
 }
 #endif
@@ -172,7 +172,7 @@ TRACEPOINT_PROBE(rdma_cma, cm_qp_destroy)
     e->tos = args->tos;
     e->qp_num = args->qp_num;
     kv_rdma_addrs(e, args->srcaddr, args->dstaddr);
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
     return 0;
 }
 #endif
@@ -185,7 +185,7 @@ TRACEPOINT_PROBE(rdma_cma, cm_send_rtu)
         return 0;
     e->tos = args->tos;
     kv_rdma_addrs(e, args->srcaddr, args->dstaddr);
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
     return 0;
 }
 #endif
@@ -198,7 +198,7 @@ TRACEPOINT_PROBE(rdma_cma, cm_send_rej)
         return 0;
     e->tos = args->tos;
     kv_rdma_addrs(e, args->srcaddr, args->dstaddr);
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
     return 0;
 }
 #endif
@@ -211,7 +211,7 @@ TRACEPOINT_PROBE(rdma_cma, cm_send_mra)
         return 0;
     e->tos = args->tos;
     kv_rdma_addrs(e, args->srcaddr, args->dstaddr);
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
     return 0;
 }
 #endif
@@ -224,7 +224,7 @@ TRACEPOINT_PROBE(rdma_cma, cm_disconnect)
         return 0;
     e->tos = args->tos;
     kv_rdma_addrs(e, args->srcaddr, args->dstaddr);
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
     return 0;
 }
 #endif
@@ -237,7 +237,7 @@ TRACEPOINT_PROBE(rdma_cma, cm_sent_drep)
         return 0;
     e->tos = args->tos;
     kv_rdma_addrs(e, args->srcaddr, args->dstaddr);
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
     return 0;
 }
 #endif
@@ -250,7 +250,7 @@ TRACEPOINT_PROBE(rdma_cma, cm_sent_dreq)
         return 0;
     e->tos = args->tos;
     kv_rdma_addrs(e, args->srcaddr, args->dstaddr);
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
     return 0;
 }
 #endif
@@ -263,7 +263,7 @@ TRACEPOINT_PROBE(rdma_cma, cm_id_destroy)
         return 0;
     e->tos = args->tos;
     kv_rdma_addrs(e, args->srcaddr, args->dstaddr);
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
     return 0;
 }
 #endif
@@ -282,7 +282,7 @@ TRACEPOINT_PROBE(rdma_cma, cm_qp_create)
     e->c = args->recv_wr;
     e->d = args->qp_type;
     kv_rdma_addrs(e, args->srcaddr, args->dstaddr);
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
     return 0;
 }
 #endif
@@ -296,7 +296,7 @@ TRACEPOINT_PROBE(rdma_core, cq_alloc)
     e->a = args->nr_cqe;
     e->b = args->comp_vector;
     e->c = args->poll_ctx;
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
     return 0;
 }
 #endif
@@ -311,7 +311,7 @@ TRACEPOINT_PROBE(rdma_core, cq_alloc_error)
     e->a = args->nr_cqe;
     e->b = args->comp_vector;
     e->c = args->poll_ctx;
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
     return 0;
 }
 #endif
@@ -322,7 +322,7 @@ TRACEPOINT_PROBE(rdma_core, cq_free)
     u32 id = args->cq_id;
     struct kv_rdma_event *e = kv_rdma_new(KV_RDMA_CQ_FREE, id);
     if (e)
-        events.ringbuf_submit(e, 0);
+        kv_submit(e, sizeof(*e));
     return 0;
 }
 #endif
@@ -335,7 +335,7 @@ TRACEPOINT_PROBE(rdma_core, cq_modify)
         return 0;
     e->a = args->comps;
     e->b = args->usec;
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
     return 0;
 }
 #endif

@@ -101,7 +101,7 @@ TRACEPOINT_PROBE(tcp, tcp_retransmit_skb)
         bpf_probe_read_kernel(e->saddr, 4, (void *)args->saddr);
         bpf_probe_read_kernel(e->daddr, 4, (void *)args->daddr);
     }
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
     return 0;
 }
 #endif
@@ -130,7 +130,7 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
         bpf_probe_read_kernel(e->saddr, 4, (void *)args->saddr);
         bpf_probe_read_kernel(e->daddr, 4, (void *)args->daddr);
     }
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
     return 0;
 }
 #endif
@@ -197,7 +197,7 @@ TRACEPOINT_PROBE(tcp, tcp_probe)
         bpf_probe_read_kernel(sa, sizeof(sa), (void *)args->daddr);
         __builtin_memcpy(e->daddr, &sa[4], 4);
     }
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
     return 0;
 }
 #endif

@@ -85,7 +85,7 @@ static __always_inline int kv_ulib_return(struct pt_regs *ctx, u32 func)
     e->ret = (s64)PT_REGS_RC(ctx);
     e->func = func;
     e->pad = 0;
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
     return 0;
 }
 

@@ -27,7 +27,7 @@ static __always_inline void kv_user_small_emit(u64 id, const void *buf, u64 len)
     u32 n = len & (sizeof(e->data) - 1);
     e->len = bpf_probe_read_user(e->data, n, buf) < 0 ? 0 : n;
     e->pad = 0;
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
 }
 
 static __always_inline void kv_user_mid_emit(u64 id, const void *buf, u64 len)
@@ -38,7 +38,7 @@ static __always_inline void kv_user_mid_emit(u64 id, const void *buf, u64 len)
     u32 n = len & (sizeof(e->data) - 1);
     e->len = bpf_probe_read_user(e->data, n, buf) < 0 ? 0 : n;
     e->pad = 0;
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
 }
 
 static __always_inline void kv_user_big_emit(u64 id, const void *buf, u64 len)
@@ -49,7 +49,7 @@ static __always_inline void kv_user_big_emit(u64 id, const void *buf, u64 len)
     u32 n = len & (sizeof(e->data) - 1);
     e->len = bpf_probe_read_user(e->data, n, buf) < 0 ? 0 : n;
     e->pad = 0;
-    events.ringbuf_submit(e, 0);
+    kv_submit(e, sizeof(*e));
 }
 
 /* 1 when the write was a marker (consumed), 0 otherwise. */

@@ -11,6 +11,7 @@ import os
 import platform
 import sys
 import threading
+import time
 
 from kvtrace import phases
 from kvtrace.capture import events, progstats
@@ -107,6 +108,17 @@ def let_pandas_in() -> None:
         pass
 
 
+READ_EVERY_MS = 50  # the reader's timer; the kernel wakes it sooner only when it falls behind
+
+
+def name_thread(name: bytes) -> None:
+    """Set the calling thread's name (prctl PR_SET_NAME; at most 15 bytes), where libc allows."""
+    try:
+        ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name[:15]), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 class Source:
     """The ring buffer as a source of raw events, grouped by kind, with bounded memory."""
 
@@ -129,6 +141,7 @@ class Source:
         self.dropped = 0  # records left in the ring because the pending batch was full
         self._targets = self.bpf["targets"]
         self.ring = RingReader(self.bpf["events"].map_fd, plan.ringbuf_pages * mmap.PAGESIZE)
+        self._unread = self.bpf["rb_unread"]  # bytes since the last read: the kernel wakes us past a quarter ring
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -147,12 +160,16 @@ class Source:
         phases.mark("capture_start")
 
     def _run(self) -> None:
+        name_thread(b"kvtrace-ring")   # as top -H and /proc/PID/task/*/comm show it
         while not self._stopping.is_set():
-            self.poll(50)
+            self.poll(READ_EVERY_MS)
 
     def poll(self, timeout_ms: int) -> None:
         """Wait for data (at most timeout_ms), then copy out what the kernel has committed.
 
+        Records are submitted without a wakeup (probes/kvtrace.h), so the wait normally lasts
+        the whole timeout: the reader wakes about 20 times a second however many events
+        arrive, and sooner only when a quarter of the ring is unread.
         When the pending batch is full the records stay in the ring buffer; if the kernel
         then cannot reserve, it counts the loss itself, so every loss is counted once.
         """
@@ -160,14 +177,25 @@ class Source:
         with self._lock:
             room = self.max_pending - self.count
             if room > 0:
-                self.count += self.ring.read(self.pending, room)
+                self._read(room)
+        if room <= 0:   # the batch is full until the next drain: the records wait in the ring
+            time.sleep(timeout_ms / 1000)
+
+    def _read(self, room: int) -> None:
+        """Copy out what the kernel has committed; the kernel's count of unread bytes (which
+        decides when it wakes the reader early, probes/kvtrace.h) starts again from zero."""
+        try:
+            self._unread[ctypes.c_int(0)] = ctypes.c_uint64(0)
+        except Exception:   # the count only decides early wakeups: reading goes on without it
+            pass
+        self.count += self.ring.read(self.pending, room)
 
     def drain(self) -> dict[int, list[bytes]]:
         """Everything read so far, by kind; the source starts a new batch."""
         with self._lock:
             room = self.max_pending - self.count
             if room > 0:
-                self.count += self.ring.read(self.pending, room)
+                self._read(room)
             out = {k: v for k, v in self.pending.items() if v}
             self.pending = {k: [] for k in range(events.NKINDS)}
             self.count = 0
