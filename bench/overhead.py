@@ -7,8 +7,12 @@ interleaved A/B/A/B in one session, each phase 3 rounds back to back (1 in --sho
 untraced, B under one `kvtrace attach --port` (every probe this kernel has, the hook injected
 live, KV events and /metrics recorded, Parquet written and OTLP streamed to a local
 receiver).  The prefix cache is reset before every round.  Reported: tokens/s and TTFT p50
-per phase, and B/A ratios of adjacent phases with their spread; during B phases the agent's CPU (per wall second) and RSS (psutil, sampled every 0.2 s, after
-attach: the steady state).  Then the hook's cost per engine step, detached and attached, from
+per phase, the server's own CPU time per token (user and system, all its processes), and the
+ratio of each B phase to the mean of the A phases either side of it (A B A ... B A), with
+their spread; during B phases the agent's CPU (per wall second) and RSS (psutil, sampled
+every 0.2 s, after attach: the steady state).  Then the same again with the server on a core
+of its own and the agent and the client on the others (``vllm_pinned``: a GPU server's
+layout, where the engine's CPU threads do not share cores with the agent).  Then the hook's cost per engine step, detached and attached, from
 bench/hookstep.py in vLLM's interpreter under `kvtrace attach`.
 
     sudo .venv/bin/python bench/overhead.py [--short] [--json out.json]
@@ -27,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 from vllmbench import PY, ROOT, Agent, free_port, kvtrace_importable_env, one_round, requests, spread  # noqa: E402
 
 from kvtrace.vllm.server import VllmServer, demo_args, vllm_python  # noqa: E402
@@ -34,13 +40,44 @@ from kvtrace.vllm.server import VllmServer, demo_args, vllm_python  # noqa: E402
 SETTLE_S = 3.0
 
 
-def start_server(work: Path) -> VllmServer:
+def start_server(work: Path, cores: set[int] | None = None) -> VllmServer:
+    """The demo's server; with ``cores``, all its processes and its OpenMP threads on those
+    cores only (this process's own affinity is restored once they have started)."""
     port = free_port()
     zport = free_port(avoid=(port,))
     args = demo_args(work, zport)   # the demo's server
     # no plugin: the hook gets in by live injection on each attach, and leaves on each detach
     env = {"VLLM_PLUGINS": "", "VLLM_SERVER_DEV_MODE": "1", **kvtrace_importable_env()}  # the file connector
-    return VllmServer(args=args, port=port, env=env, workdir=work).start()
+    if not cores:
+        return VllmServer(args=args, port=port, env=env, workdir=work).start()
+    env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(cores)))
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)          # inherited by the server's processes
+    try:
+        server = VllmServer(args=args, port=port, env=env, workdir=work)
+        server.start()
+    finally:
+        os.sched_setaffinity(0, mine - cores or mine)
+    return server
+
+
+def server_cpu(server: VllmServer) -> tuple[float, float]:
+    """User and system CPU seconds of the server's processes (API server, EngineCore, Workers)."""
+    user = system = 0.0
+    for pid in (p for group in server.processes().values() for p in group):
+        try:
+            t = psutil.Process(pid).cpu_times()
+        except psutil.Error:
+            continue
+        user, system = user + t.user, system + t.system
+    return user, system
+
+
+def split_cores() -> tuple[set[int], set[int]] | None:
+    """(the server's cores, everything else's): the last core for the server, the rest for the
+    agent and the client; None with fewer than 2 cores."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return ({cpus[-1]}, set(cpus[:-1])) if len(cpus) >= 2 else None
 
 
 def phase(server: VllmServer, reqs, concurrency: int, n: int) -> dict:
@@ -53,7 +90,10 @@ def phase(server: VllmServer, reqs, concurrency: int, n: int) -> dict:
             "cached_tokens": sum(r["cached_tokens"] for r in rs), "rounds": n}
 
 
-def vllm_ab(short: bool) -> dict:
+def vllm_ab(short: bool, pin: bool = False) -> dict:
+    """Interleaved A/B phases.  With ``pin``, the server runs on a core of its own and the
+    agent and the client on the others: a GPU server's layout, where the engine's CPU threads
+    are not shared with the agent."""
     pairs = 1 if short else 5
     per_phase = 1 if short else 3   # rounds per A or B phase: the steady state outweighs the attach
     concurrency = 4
@@ -66,44 +106,60 @@ def vllm_ab(short: bool) -> dict:
         receiver = Receiver().start()
     except Exception as e:  # OTLP export is then left out of B, and said
         print(f"overhead: no local OTLP receiver ({type(e).__name__}: {e}); B runs without --otlp", file=sys.stderr)
-    server = start_server(work)
+    cores = split_cores() if pin else None
+    if pin and cores is None:
+        return {"skipped": "fewer than 2 cores: no core to give the server alone"}
+    server = start_server(work, cores[0] if cores else None)
     rounds = []
     agent_cpu, agent_rss = [], []
     try:
         one_round(server, reqs, concurrency)                  # warm-up: compile, storage filled
-        for i in range(pairs):
-            for mode in ("A", "B"):
-                agent = None
-                if mode == "B":
-                    agent = Agent(server, work / f"ds{i}", receiver.grpc_url if receiver else None)
-                    time.sleep(SETTLE_S)          # past the first flushes: the steady state is measured
-                    agent.sample()
-                    c0 = agent.cpu()
-                r = phase(server, reqs, concurrency, per_phase)
-                if agent is not None:
-                    agent_cpu.append((agent.cpu() - c0) / r["wall_s"])
-                    agent._stop.set()
-                    agent_rss += agent.rss
-                    r["agent_rss_max_mib"] = round(max(agent.rss) / 2**20, 1) if agent.rss else None
-                    agent.stop()
-                    r["agent_exit"] = agent.proc.returncode
-                    from kvtrace.dataset.reader import Dataset
+        # A B A B ... A: each B is compared with the A phases either side of it, so a drift of
+        # the server's speed over the session does not count as the agent's cost
+        for k, mode in enumerate(["A", "B"] * pairs + ["A"]):
+            i = k // 2
+            agent = None
+            if mode == "B":
+                agent = Agent(server, work / f"ds{i}", receiver.grpc_url if receiver else None)
+                time.sleep(SETTLE_S)          # past the first flushes: the steady state is measured
+                agent.sample()
+                c0 = agent.cpu()
+            cpu0 = server_cpu(server)
+            r = phase(server, reqs, concurrency, per_phase)
+            user, system = (b - a for a, b in zip(cpu0, server_cpu(server)))
+            r["server_cpu_ms_per_token"] = {"user": round(user * 1000 / max(r["tokens"], 1), 4),
+                                            "system": round(system * 1000 / max(r["tokens"], 1), 4)}
+            if agent is not None:
+                agent_cpu.append((agent.cpu() - c0) / r["wall_s"])
+                agent._stop.set()
+                agent_rss += agent.rss
+                r["agent_rss_max_mib"] = round(max(agent.rss) / 2**20, 1) if agent.rss else None
+                agent.stop()
+                r["agent_exit"] = agent.proc.returncode
+                from kvtrace.dataset.reader import Dataset
 
-                    (run,) = Dataset.open(work / f"ds{i}").runs()
-                    r["events"] = sum(run["events"].values())
-                    r["lost_events"] = run["lost_events"]
-                r["mode"] = mode
-                rounds.append(r)
-                print(f"overhead: phase {len(rounds)} {mode}: {r['tokens_per_s']:.1f} tokens/s, TTFT p50 "
-                      f"{r['ttft_p50_s'] * 1000:.0f} ms", file=sys.stderr)
+                (run,) = Dataset.open(work / f"ds{i}").runs()
+                r["events"] = sum(run["events"].values())
+                r["lost_events"] = run["lost_events"]
+            r["mode"] = mode
+            rounds.append(r)
+            print(f"overhead: phase {len(rounds)} {mode}: {r['tokens_per_s']:.1f} tokens/s, TTFT p50 "
+                  f"{r['ttft_p50_s'] * 1000:.0f} ms", file=sys.stderr)
     finally:
         server.stop()
         if receiver is not None:
             receiver.stop()
+        if cores:
+            os.sched_setaffinity(0, cores[0] | cores[1])
     a = [r for r in rounds if r["mode"] == "A"]
     b = [r for r in rounds if r["mode"] == "B"]
-    tps = [y["tokens_per_s"] / x["tokens_per_s"] for x, y in zip(a, b)]
-    ttft = [y["ttft_p50_s"] / x["ttft_p50_s"] for x, y in zip(a, b)]
+    def against_neighbours(f) -> list[float]:
+        return [f(y) / statistics.fmean((f(a[i]), f(a[i + 1]))) for i, y in enumerate(b) if i + 1 < len(a)]
+
+    tps = against_neighbours(lambda r: r["tokens_per_s"])
+    ttft = against_neighbours(lambda r: r["ttft_p50_s"])
+    cpu_user = against_neighbours(lambda r: r["server_cpu_ms_per_token"]["user"])
+    cpu_sys = against_neighbours(lambda r: r["server_cpu_ms_per_token"]["system"])
     mean_a = statistics.fmean(r["tokens_per_s"] for r in a)
     mean_b = statistics.fmean(r["tokens_per_s"] for r in b)
     for r in rounds:
@@ -114,12 +170,15 @@ def vllm_ab(short: bool) -> dict:
         "otlp": receiver is not None,
         "tokens_per_s": {"A": round(mean_a, 2), "B": round(mean_b, 2)},
         "tokens_per_s_ratio": spread(tps), "ttft_p50_ratio": spread(ttft),
+        "server_cpu_per_token_ratio": {"user": spread(cpu_user), "system": spread(cpu_sys)},
         "throughput_loss_pct": round((1 - statistics.fmean(tps)) * 100, 2),
         "errors": sum(r["errors"] for r in rounds),
         "agent_cpu_pct_of_core": spread([c * 100 for c in agent_cpu]),
         "agent_rss_mib": {"mean": round(statistics.fmean(agent_rss) / 2**20, 1), "max": round(max(agent_rss) / 2**20, 1)}
         if agent_rss else None,
         "load_average": round(os.getloadavg()[0], 2),
+        "server_cores": sorted(cores[0]) if cores else None,
+        "agent_cores": sorted(cores[1]) if cores else None,
     }
 
 
@@ -153,6 +212,7 @@ def main() -> None:
         result = {"hook": hook_cost(a.short)}
         if not a.skip_vllm:
             result["vllm"] = vllm_ab(a.short)
+            result["vllm_pinned"] = vllm_ab(a.short, pin=True)
     print(json.dumps(result, indent=1))
     if a.json:
         with open(a.json, "w") as f:

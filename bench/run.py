@@ -74,20 +74,10 @@ def overhead_markdown(o: dict) -> list[str]:
     if "skipped" in o:
         return out + [f"- skipped: {o['skipped']}"]
     h = o["hook"]
-    if "vllm" in o:
-        v = o["vllm"]
-        r, t = v["tokens_per_s_ratio"], v["ttft_p50_ratio"]
-        out += [
-            f"- {v['pairs']} A/B pairs interleaved in one session, {v['requests']} shared-prefix requests per round at "
-            f"concurrency {v['concurrency']}; B = `kvtrace attach --port` (all probes, hook injected, KV events, /metrics, "
-            f"Parquet{', OTLP' if v['otlp'] else ''}); load average {v['load_average']:.1f}",
-            f"- tokens/s B/A: {r['mean']:.3f} (min {r['min']:.3f}, max {r['max']:.3f}, stdev {r['stdev']:.3f}); "
-            f"A {v['tokens_per_s']['A']:,} and B {v['tokens_per_s']['B']:,} tokens/s on average",
-            f"- TTFT p50 B/A: {t['mean']:.3f} (min {t['min']:.3f}, max {t['max']:.3f}); failed requests: {v['errors']}",
-            f"- agent in steady state: CPU {v['agent_cpu_pct_of_core']['mean']:.1f}% of a core (max "
-            f"{v['agent_cpu_pct_of_core']['max']:.1f}%), RSS {v['agent_rss_mib']['mean']} MiB mean, "
-            f"{v['agent_rss_mib']['max']} MiB max (target 150 MB)",
-        ]
+    for key, layout in (("vllm", "the server on every core, shared with the agent and the client"),
+                        ("vllm_pinned", "the server on a core of its own, the agent and the client on the others")):
+        if key in o:
+            out += ab_markdown(o[key], layout)
     q = h["hook_cost_quartiles_us"]
     out += [
         f"- hook cost per engine step (a real vLLM Scheduler, {h['steps_per_stream']['none']} steps per stream, "
@@ -96,6 +86,26 @@ def overhead_markdown(o: dict) -> list[str]:
         + f"; {h['steps_recorded']:,} step records captured while attached",
     ]
     return out
+
+
+def ab_markdown(v: dict, layout: str) -> list[str]:
+    if "skipped" in v:
+        return [f"- {layout}: skipped ({v['skipped']})"]
+    r, t, c = v["tokens_per_s_ratio"], v["ttft_p50_ratio"], v["server_cpu_per_token_ratio"]
+    return [
+        f"- **{layout}**: {v['pairs']} B phases, each against the A phases either side of it, in one session, {v['requests']} shared-prefix requests per "
+        f"round at concurrency {v['concurrency']}; B = `kvtrace attach --port` (all probes, hook injected, KV events, "
+        f"/metrics, Parquet{', OTLP' if v['otlp'] else ''}); load average {v['load_average']:.1f}",
+        f"  - tokens/s B/A: {r['mean']:.3f} (median {r['median']:.3f}, min {r['min']:.3f}, max {r['max']:.3f}, stdev "
+        f"{r['stdev']:.3f}); A {v['tokens_per_s']['A']:,} and B {v['tokens_per_s']['B']:,} tokens/s on average "
+        "(target: under 0.5% loss)",
+        f"  - TTFT p50 B/A: {t['mean']:.3f} (min {t['min']:.3f}, max {t['max']:.3f}); failed requests: {v['errors']}",
+        f"  - the server's own CPU time per token, B/A: user {c['user']['mean']:.3f} (min {c['user']['min']:.3f}, max "
+        f"{c['user']['max']:.3f}), system {c['system']['mean']:.3f} (min {c['system']['min']:.3f}, max {c['system']['max']:.3f})",
+        f"  - agent in steady state: CPU {v['agent_cpu_pct_of_core']['mean']:.1f}% of a core (max "
+        f"{v['agent_cpu_pct_of_core']['max']:.1f}%), RSS {v['agent_rss_mib']['mean']} MiB mean, "
+        f"{v['agent_rss_mib']['max']} MiB max (target 150 MB)",
+    ]
 
 
 def attach_markdown(a: dict) -> list[str]:

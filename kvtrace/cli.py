@@ -28,14 +28,18 @@ def _register() -> None:
 
 
 def _lean_allocator(args: list[str]) -> None:
-    """For `kvtrace attach`, which runs for hours beside the server: Arrow on glibc's allocator.
+    """For `kvtrace attach`, which runs for hours beside the server: Arrow on glibc's allocator,
+    with fixed thresholds (kvtrace.capture.memory.tune_malloc).
 
-    Arrow's default (mimalloc) keeps the pages of freed buffers; on glibc's, the pipeline's
-    periodic malloc_trim gives them back (14 MB less resident, 184 against 198 MiB mean, in
-    an attach to a serving vLLM).  Arrow picks its allocator once, when pyarrow is first
-    imported, so this runs before the commands are imported; a value the user set is kept."""
+    Arrow's default (mimalloc) keeps the pages of freed buffers; on glibc's, freed buffers go
+    back, at once (above the mmap threshold) or at the pipeline's periodic malloc_trim
+    (README, Performance).  Arrow picks its allocator once, when pyarrow is first imported,
+    so this runs before the commands are imported; a value the user set is kept."""
     if args[:1] == ["attach"]:
         os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
+        from kvtrace.capture import memory
+
+        memory.tune_malloc()
 
 
 def main(argv: list[str] | None = None) -> None:

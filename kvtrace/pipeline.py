@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvtrace import __version__
-from kvtrace.capture import BY_KIND, events, fdopen, rawfile
+from kvtrace.capture import BY_KIND, events, fdopen, memory, rawfile
 from kvtrace.capture.events import DecodeContext
 from kvtrace.capture.program import Plan
 from kvtrace.dataset import schema
@@ -44,6 +44,7 @@ def clock_offset_ns() -> int:
 
 
 TRIM_EVERY = 10  # flushes between malloc_trim calls
+STARTUP_FLUSHES = 2  # after these, the pages of code only the start-up ran are given back
 
 
 def _malloc_trim():
@@ -72,7 +73,7 @@ class Totals:
 
 class Pipeline:
     def __init__(self, source, plan: Plan, writer: DatasetWriter, pids: list[int], command: str = "", raw_out=None,
-                 fresh_pids: tuple[int, ...] = ()):
+                 fresh_pids: tuple[int, ...] = (), release_startup: bool = False):
         self.source = source
         self.raw_out = raw_out
         self.plan = plan
@@ -89,6 +90,8 @@ class Pipeline:
         self.notes: list[str] = []  # what a clean stop could not do (said by the caller)
         self.steps = 0
         self._trim = _malloc_trim()
+        self.release_startup = release_startup
+        self.released_bytes = 0
         for pid in pids:
             if pid not in fresh_pids:  # a command kvtrace starts has no files open before the attach
                 fdopen.snapshot(self.ctx, pid)
@@ -135,6 +138,9 @@ class Pipeline:
             sink.consume(tables)
         self.writer.flush(self.run_row(status))
         self.steps += 1
+        if self.steps == STARTUP_FLUSHES and self.release_startup:
+            # imports, compiling, the first flushes: code that ran once (README, Performance)
+            self.released_bytes = memory.release_file_pages()
         if self._trim is not None and self.steps % TRIM_EVERY == 0:
             # give back the C heap that decoding and writing freed (glibc keeps it otherwise):
             # a few ms every TRIM_EVERY flushes, tens of MB of resident memory

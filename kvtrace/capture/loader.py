@@ -15,6 +15,7 @@ import time
 
 from kvtrace import phases
 from kvtrace.capture import events, progstats
+from kvtrace.capture.memory import release_compiler_memory
 from kvtrace.capture.program import Plan
 from kvtrace.capture.ringbuf import RingReader
 from kvtrace.errors import CaptureError
@@ -34,48 +35,6 @@ def _import_bcc():
             ) from None
         BPF = _BPF
     return BPF
-
-
-MADV_DONTNEED = 4
-MADV_PAGEOUT = 21  # Linux 5.4+
-
-
-def release_compiler_memory() -> int:
-    """Give back what compiling the program left behind: the C heap's free pages (malloc_trim)
-    and the resident pages of the compiler's libraries (libLLVM, libclang), which a running
-    capture does not use again.  Their code (read-only, executable: never written, so the file
-    holds exactly what is mapped) is dropped from this process with MADV_DONTNEED, which works
-    even while other processes (another agent) map the same pages, where MADV_PAGEOUT skips
-    them; a page used again is faulted back in from the file.  Their other read-only mappings
-    may hold relocated (written) pages, so they only get MADV_PAGEOUT.  Writable mappings are
-    never touched.  Returns the bytes of resident memory released (best effort; 0 where
-    unsupported)."""
-    def rss() -> int:
-        try:
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * mmap.PAGESIZE
-        except OSError:
-            return 0
-
-    before = rss()
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.malloc_trim(0)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 6 or "w" in parts[1]:
-                    continue
-                name = os.path.basename(parts[5])
-                if not name.startswith(("libLLVM", "libclang")):
-                    continue
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                code = parts[1].startswith("r-xp")
-                libc.madvise(lo, hi - lo, MADV_DONTNEED if code else MADV_PAGEOUT)
-    except (OSError, AttributeError, ValueError):
-        pass
-    return max(0, before - rss())
 
 
 class _NoPandas:

@@ -83,7 +83,7 @@ def run(cap: Capture, echo) -> tuple[object, str]:
             source.add_target(pid)
         raw = open(cap.raw_out, "wb") if cap.raw_out else None
         pipeline = Pipeline(source, plan, writer, pids, command=" ".join(cap.command), raw_out=raw,
-                            fresh_pids=(gated.pid,) if gated else ())
+                            fresh_pids=(gated.pid,) if gated else (), release_startup=True)
         fdskip.start(pipeline, source)   # sockets, pipes, eventfds: skipped in the kernel
         if cap.otlp:
             from kvtrace.otlp.sink import OtlpSink
