@@ -10,6 +10,13 @@ the two pieces of a pass that wraps.  Each record has an 8-byte header: u32 leng
 written) and a discard bit, then the record, padded to 8 bytes.  This reader copies all
 committed records in one pass and advances the consumer position once per pass, as
 libbpf's ring_buffer__consume does.
+
+A copy taken while the kernel commits records is not ordered: glibc's memcpy loads the tail
+of a large block first, so a record committed during the copy can come out with its header
+(committed) newer than its data (not yet written).  Records do not change once committed
+until the consumer position moves past them, so the committed part is copied a second time
+and compared; where they differ, the second copy, taken after every header was seen
+committed, is the one decoded.
 """
 from __future__ import annotations
 
@@ -28,6 +35,8 @@ U32 = struct.Struct("<I")
 
 
 class RingReader:
+    torn = 0   # passes whose first copy caught a record mid-commit (decoded from the second)
+
     def __init__(self, map_fd: int, data_size: int):
         if data_size & (data_size - 1):
             raise ValueError("ring buffer size must be a power of two")
@@ -54,13 +63,31 @@ class RingReader:
         prod = U64.unpack_from(self.prod, 0)[0]
         if cons == prod:
             return 0
-        avail = prod - cons
+        chunk = self._copy(cons, prod - cons)
+        out: dict[int, list[bytes]] = {}
+        n, pos = self._walk(chunk, out, limit)
+        if pos:
+            again = self._copy(cons, pos)
+            if memoryview(chunk)[:pos] != again:   # a record committed during the first copy
+                self.torn += 1
+                out = {}
+                n, pos = self._walk(again, out, limit)
+            for kind, recs in out.items():
+                sink.setdefault(kind, []).extend(recs)
+            U64.pack_into(self.cons, 0, cons + pos)
+        return n
+
+    def _copy(self, cons: int, length: int) -> bytes:
+        """length bytes of the data area from consumer position cons (joined where they wrap)."""
         base = PAGE + (cons & self.mask)
         end = PAGE + self.size
-        if base + avail <= end:
-            chunk = self.prod[base:base + avail]  # one copy
-        else:  # the pass wraps: the tail of the data area, then its start
-            chunk = self.prod[base:end] + self.prod[PAGE:PAGE + base + avail - end]
+        if base + length <= end:
+            return self.prod[base:base + length]  # one copy
+        return self.prod[base:end] + self.prod[PAGE:PAGE + base + length - end]
+
+    def _walk(self, chunk: bytes, sink: dict[int, list[bytes]], limit: int) -> tuple[int, int]:
+        """Records of chunk up to the first uncommitted one (or limit): (how many, bytes used)."""
+        avail = len(chunk)
         view = np.frombuffer(chunk, dtype=np.uint8)
         n = pos = 0
         unpack = U32.unpack_from
@@ -71,11 +98,13 @@ class RingReader:
                 break
             size = length & ~(BUSY | DISCARD)
             stride = (size + HDR + 7) & ~7
+            if pos + stride > avail:   # only in a second copy cut at a committed record's end
+                break
             if not cooldown and not length & DISCARD and size and avail - pos >= 32 * stride:
                 m = self._run(chunk, pos, length, stride, min(limit - n, (avail - pos) // stride))
                 if m >= 16:
                     rows = view[pos:pos + m * stride].reshape(m, stride)[:, HDR:HDR + size]
-                    sink[chunk[pos + HDR] & 0xF].append(rows.tobytes())
+                    sink.setdefault(chunk[pos + HDR] & 0xF, []).append(rows.tobytes())
                     n += m
                     pos += m * stride
                     continue
@@ -84,12 +113,10 @@ class RingReader:
                 cooldown -= 1
             if not length & DISCARD:
                 rec = chunk[pos + HDR:pos + HDR + size]
-                sink[rec[0] & 0xF].append(rec)
+                sink.setdefault(rec[0] & 0xF, []).append(rec)
                 n += 1
             pos += stride
-        if pos:
-            U64.pack_into(self.cons, 0, cons + pos)
-        return n
+        return n, pos
 
     @staticmethod
     def _run(chunk: bytes, pos: int, length: int, stride: int, most: int) -> int:
