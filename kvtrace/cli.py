@@ -39,7 +39,8 @@ def _lean_allocator(args: list[str]) -> None:
         os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
         from kvtrace.capture import memory
 
-        memory.tune_malloc()
+        if memory.trimming():
+            memory.tune_malloc()
 
 
 def main(argv: list[str] | None = None) -> None:

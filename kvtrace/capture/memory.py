@@ -30,6 +30,12 @@ MMAP_THRESHOLD = 128 << 10
 TRIM_THRESHOLD = 1 << 20
 
 
+def trimming() -> bool:
+    """False when KVTRACE_MEMORY_TRIM=0: no fixed thresholds and no start-up pages given back
+    (to compare against, as tests/privileged/test_agent_memory.py does)."""
+    return os.environ.get("KVTRACE_MEMORY_TRIM", "1") != "0"
+
+
 def _libc():
     try:
         return ctypes.CDLL("libc.so.6", use_errno=True)

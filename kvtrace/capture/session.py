@@ -67,6 +67,7 @@ class Capture:
 def run(cap: Capture, echo) -> tuple[object, str]:
     """Capture until stopped; returns (pipeline, why it stopped).  ``echo`` prints one line."""
     from kvtrace import targets
+    from kvtrace.capture import memory
     from kvtrace.capture.loader import Source
     from kvtrace.pipeline import Pipeline
     from kvtrace.vllm.streams import start_vllm_streams
@@ -83,7 +84,7 @@ def run(cap: Capture, echo) -> tuple[object, str]:
             source.add_target(pid)
         raw = open(cap.raw_out, "wb") if cap.raw_out else None
         pipeline = Pipeline(source, plan, writer, pids, command=" ".join(cap.command), raw_out=raw,
-                            fresh_pids=(gated.pid,) if gated else (), release_startup=True)
+                            fresh_pids=(gated.pid,) if gated else (), release_startup=memory.trimming())
         fdskip.start(pipeline, source)   # sockets, pipes, eventfds: skipped in the kernel
         if cap.otlp:
             from kvtrace.otlp.sink import OtlpSink
