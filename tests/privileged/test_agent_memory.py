@@ -9,8 +9,8 @@ let it start (past the start-up flushes).
 Not asserted: the absolute figure against #9's 150 MB.  It depends on the page cache: with the
 libraries' files only partly cached (a machine where they were installed a while ago) this
 measured 111-119 MiB, and 150-158 without the measures; on a fresh CI machine, where pip has
-just written every page of them, each fault maps 64 KiB of them back and it measured 145-148
-MiB.  The assertion message gives both figures of each run."""
+just written every page of them, each fault maps 64 KiB of them back and it measured 138-146
+MiB (145-153 MB).  The assertion message gives both figures of each run."""
 from __future__ import annotations
 
 import json
