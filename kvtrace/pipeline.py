@@ -47,16 +47,6 @@ TRIM_EVERY = 10  # flushes between malloc_trim calls
 STARTUP_FLUSHES = 2  # after these, the pages of code only the start-up ran are given back
 
 
-def _malloc_trim():
-    """glibc's malloc_trim(0), or None where there is none."""
-    try:
-        import ctypes
-
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
 def new_run_id() -> str:
     return time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
 
@@ -89,7 +79,7 @@ class Pipeline:
         self.sinks: list = []  # live consumers of every flush's tables (kvtrace.otlp.sink)
         self.notes: list[str] = []  # what a clean stop could not do (said by the caller)
         self.steps = 0
-        self._trim = _malloc_trim()
+        self._trim = memory.malloc_trim()
         self.release_startup = release_startup
         self.released_bytes = 0
         for pid in pids:

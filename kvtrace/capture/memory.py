@@ -43,6 +43,12 @@ def _libc():
         return None
 
 
+def malloc_trim():
+    """glibc's malloc_trim (call it with 0), or None where this libc has none."""
+    libc = _libc()
+    return getattr(libc, "malloc_trim", None) if libc is not None else None
+
+
 def resident_bytes() -> int:
     try:
         with open("/proc/self/statm") as f:
@@ -103,11 +109,9 @@ def release_file_pages(only=None) -> int:
 
 def release_compiler_memory() -> int:
     """After the BPF program is loaded: the compiler's freed heap and its libraries' pages."""
-    libc = _libc()
     before = resident_bytes()
-    try:
-        libc.malloc_trim(0)
-    except AttributeError:
-        pass
+    trim = malloc_trim()
+    if trim is not None:
+        trim(0)
     release_file_pages(only=lambda path: os.path.basename(path).startswith(("libLLVM", "libclang")))
     return max(0, before - resident_bytes())
