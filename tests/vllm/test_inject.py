@@ -17,10 +17,11 @@ import pyarrow as pa
 import pytest
 
 from kvtrace.dataset.reader import Dataset
+from kvtrace.errors import DatasetError
 from kvtrace.inject import injector
 from kvtrace.vllm import workload
 from kvtrace.vllm.server import VllmServer
-from tests.helpers import reset_prefix_cache
+from tests.helpers import reset_prefix_cache, wait_for
 from tests.vllm.conftest import SERVER_ARGS, KvEventSink, free_port, vllm_skip_reason
 
 pytestmark = pytest.mark.root
@@ -149,11 +150,21 @@ def test_injected_hook_matches_vllm_and_leaves_on_detach(plain_server, tmp_path)
 def test_sigkilled_agent_leaves_a_serving_server_and_no_hook(plain_server, tmp_path):
     server, _ = plain_server
     agent = Agent(server, tmp_path / "ds")
-    reqs = workload.shared_prefix(seed=11, groups=2, per_group=2, fillers=1)
+    reqs = workload.shared_prefix(seed=11, groups=3, per_group=2, fillers=2)
     results: list = []
     t = threading.Thread(target=lambda: results.extend(workload.run(server.url, server.model, reqs, concurrency=2)))
     t.start()
-    time.sleep(2.5)  # past the first flush
+
+    def flushed() -> bool:   # the agent has written steps of this workload (a flush every second)
+        try:
+            return Dataset.open(tmp_path / "ds").table("step").num_rows > 0
+        except DatasetError:
+            return False
+
+    t0 = time.monotonic()
+    wait_for(flushed, 60, "the agent's first flush of step rows")
+    print(f"first steps flushed {time.monotonic() - t0:.2f} s after the workload started")
+    assert t.is_alive(), "the workload ended before the agent flushed: it must be killed mid-workload"
     agent.stop(signal.SIGKILL)
     t.join(300)
     assert len(results) == len(reqs) and all(not r.error for r in results)
