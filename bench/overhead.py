@@ -61,16 +61,20 @@ def start_server(work: Path, cores: set[int] | None = None) -> VllmServer:
     return server
 
 
-def server_cpu(server: VllmServer) -> tuple[float, float]:
-    """User and system CPU seconds of the server's processes (API server, EngineCore, Workers)."""
-    user = system = 0.0
-    for pid in (p for group in server.processes().values() for p in group):
-        try:
-            t = psutil.Process(pid).cpu_times()
-        except psutil.Error:
-            continue
-        user, system = user + t.user, system + t.system
-    return user, system
+def server_cpu(server: VllmServer) -> dict[str, tuple[float, float]]:
+    """User and system CPU seconds of the server's processes, per group (api: the API server,
+    which answers /metrics; engine: EngineCore, where the hook runs; workers: the model)."""
+    out = {}
+    for group, pids in server.processes().items():
+        user = system = 0.0
+        for pid in pids:
+            try:
+                t = psutil.Process(pid).cpu_times()
+            except psutil.Error:
+                continue
+            user, system = user + t.user, system + t.system
+        out[group] = (user, system)
+    return out
 
 
 def split_cores() -> tuple[set[int], set[int]] | None:
@@ -126,9 +130,12 @@ def vllm_ab(short: bool, pin: bool = False) -> dict:
                 c0 = agent.cpu()
             cpu0 = server_cpu(server)
             r = phase(server, reqs, concurrency, per_phase)
-            user, system = (b - a for a, b in zip(cpu0, server_cpu(server)))
-            r["server_cpu_ms_per_token"] = {"user": round(user * 1000 / max(r["tokens"], 1), 4),
-                                            "system": round(system * 1000 / max(r["tokens"], 1), 4)}
+            cpu1 = server_cpu(server)
+            per_token = lambda secs: round(secs * 1000 / max(r["tokens"], 1), 4)  # noqa: E731
+            r["server_cpu_ms_per_token"] = {
+                "user": per_token(sum(cpu1[g][0] - cpu0[g][0] for g in cpu0 if g in cpu1)),
+                "system": per_token(sum(cpu1[g][1] - cpu0[g][1] for g in cpu0 if g in cpu1)),
+                **{g: per_token(sum(cpu1[g]) - sum(cpu0[g])) for g in cpu0 if g in cpu1}}
             if agent is not None:
                 agent_cpu.append((agent.cpu() - c0) / r["wall_s"])
                 agent._stop.set()
@@ -170,7 +177,9 @@ def vllm_ab(short: bool, pin: bool = False) -> dict:
         "otlp": receiver is not None,
         "tokens_per_s": {"A": round(mean_a, 2), "B": round(mean_b, 2)},
         "tokens_per_s_ratio": spread(tps), "ttft_p50_ratio": spread(ttft),
-        "server_cpu_per_token_ratio": {"user": spread(cpu_user), "system": spread(cpu_sys)},
+        "server_cpu_per_token_ratio": {"user": spread(cpu_user), "system": spread(cpu_sys),
+                                       **{g: spread(against_neighbours(lambda r, g=g: r["server_cpu_ms_per_token"][g]))
+                                          for g in ("api", "engine", "workers")}},
         "throughput_loss_pct": round((1 - statistics.fmean(tps)) * 100, 2),
         "errors": sum(r["errors"] for r in rounds),
         "agent_cpu_pct_of_core": spread([c * 100 for c in agent_cpu]),

@@ -101,7 +101,8 @@ def ab_markdown(v: dict, layout: str) -> list[str]:
         "(target: under 0.5% loss)",
         f"  - TTFT p50 B/A: {t['mean']:.3f} (min {t['min']:.3f}, max {t['max']:.3f}); failed requests: {v['errors']}",
         f"  - the server's own CPU time per token, B/A: user {c['user']['mean']:.3f} (min {c['user']['min']:.3f}, max "
-        f"{c['user']['max']:.3f}), system {c['system']['mean']:.3f} (min {c['system']['min']:.3f}, max {c['system']['max']:.3f})",
+        f"{c['user']['max']:.3f}), system {c['system']['mean']:.3f} (min {c['system']['min']:.3f}, max {c['system']['max']:.3f}); "
+        "user and system by process: " + ", ".join(f"{g} {c[g]['mean']:.3f}" for g in ("api", "engine", "workers") if g in c),
         f"  - agent in steady state: CPU {v['agent_cpu_pct_of_core']['mean']:.1f}% of a core (max "
         f"{v['agent_cpu_pct_of_core']['max']:.1f}%), RSS {v['agent_rss_mib']['mean']} MiB mean, "
         f"{v['agent_rss_mib']['max']} MiB max (target 150 MB)",

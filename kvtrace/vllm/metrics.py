@@ -226,7 +226,7 @@ class MetricsScraper:
 
     name = TABLE
 
-    def __init__(self, url: str, interval: float = 1.0, timeout: float = 5.0, prefixes=DEFAULT_PREFIXES,
+    def __init__(self, url: str, interval: float = 10.0, timeout: float = 5.0, prefixes=DEFAULT_PREFIXES,
                  drop_suffixes=DEFAULT_DROP_SUFFIXES, queue_scrapes: int = 3600, max_bytes: int = 32 << 20):
         if interval <= 0:
             raise ValueError("interval must be positive")
