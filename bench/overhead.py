@@ -12,8 +12,11 @@ ratio of each B phase to the mean of the A phases either side of it (A B A ... B
 their spread; during B phases the agent's CPU (per wall second) and RSS (psutil, sampled
 every 0.2 s, after attach: the steady state).  Then the same again with the server on a core
 of its own and the agent and the client on the others (``vllm_pinned``: a GPU server's
-layout, where the engine's CPU threads do not share cores with the agent).  Then the hook's cost per engine step, detached and attached, from
-bench/hookstep.py in vLLM's interpreter under `kvtrace attach`.
+layout, where the engine's CPU threads do not share cores with the agent).  After the A/B
+phases of each layout, one more B phase outside the ratios, with the kernel's BPF run-time
+accounting on: the CPU kvtrace's BPF programs took, and the steps the hook recorded times its
+cost per step, each as a share of the server's CPU.  The hook's cost per engine step, detached
+and attached, comes from bench/hookstep.py in vLLM's interpreter under `kvtrace attach`.
 
     sudo .venv/bin/python bench/overhead.py [--short] [--json out.json]
 
@@ -94,6 +97,47 @@ def phase(server: VllmServer, reqs, concurrency: int, n: int) -> dict:
             "cached_tokens": sum(r["cached_tokens"] for r in rs), "rounds": n}
 
 
+STATS = "/proc/sys/kernel/bpf_stats_enabled"
+
+
+def bpf_programs() -> dict[int, tuple[str, int, int]]:
+    """{program id: (name, run time ns, runs)} from bpftool (run time counted while STATS is 1)."""
+    out = subprocess.run(["bpftool", "prog", "show", "--json"], capture_output=True, text=True, timeout=60)
+    return {p["id"]: (p.get("name", "?"), p.get("run_time_ns", 0), p.get("run_cnt", 0))
+            for p in json.loads(out.stdout or "[]")}
+
+
+def accounted_phase(server: VllmServer, reqs, concurrency: int, n: int, work: Path, otlp_url: str | None) -> dict:
+    """One more B phase, not in the ratios (the kernel's run-time accounting costs a little):
+    the CPU time kvtrace's BPF programs took, from the kernel's own per-program counters, and
+    the engine steps the hook recorded (times its cost per step: the hook's share)."""
+    before = set(bpf_programs())
+    agent = Agent(server, work / "accounted", otlp_url)
+    time.sleep(SETTLE_S)
+    mine = set(bpf_programs()) - before   # the agent's programs
+    old = open(STATS).read().strip()
+    with open(STATS, "w") as f:
+        f.write("1")
+    try:
+        p0, c0 = bpf_programs(), server_cpu(server)
+        r = phase(server, reqs, concurrency, n)
+        p1, c1 = bpf_programs(), server_cpu(server)
+    finally:
+        with open(STATS, "w") as f:
+            f.write(old)
+        agent.stop()
+    progs = sorted(((p1[i][1] - p0[i][1], p1[i][2] - p0[i][2], p1[i][0]) for i in p1 if i in p0 and i in mine), reverse=True)
+    from kvtrace.dataset.reader import Dataset
+
+    steps = Dataset.open(work / "accounted").table("step").num_rows
+    server_s = sum(sum(c1[g]) - sum(c0[g]) for g in c0 if g in c1)
+    bpf_ns = sum(t for t, _, _ in progs)
+    return {"wall_s": r["wall_s"], "tokens": r["tokens"], "server_cpu_s": round(server_s, 3), "steps_recorded": steps,
+            "bpf_cpu_ms": round(bpf_ns / 1e6, 2), "bpf_pct_of_server_cpu": round(100 * bpf_ns / 1e9 / server_s, 3),
+            "bpf_top": [{"program": n, "ms": round(t / 1e6, 2), "runs": c, "ns_per_run": round(t / max(c, 1))}
+                        for t, c, n in progs[:6]]}
+
+
 def vllm_ab(short: bool, pin: bool = False) -> dict:
     """Interleaved A/B phases.  With ``pin``, the server runs on a core of its own and the
     agent and the client on the others: a GPU server's layout, where the engine's CPU threads
@@ -152,6 +196,7 @@ def vllm_ab(short: bool, pin: bool = False) -> dict:
             rounds.append(r)
             print(f"overhead: phase {len(rounds)} {mode}: {r['tokens_per_s']:.1f} tokens/s, TTFT p50 "
                   f"{r['ttft_p50_s'] * 1000:.0f} ms", file=sys.stderr)
+        accounted = accounted_phase(server, reqs, concurrency, per_phase, work, receiver.grpc_url if receiver else None)
     finally:
         server.stop()
         if receiver is not None:
@@ -185,6 +230,7 @@ def vllm_ab(short: bool, pin: bool = False) -> dict:
         "agent_cpu_pct_of_core": spread([c * 100 for c in agent_cpu]),
         "agent_rss_mib": {"mean": round(statistics.fmean(agent_rss) / 2**20, 1), "max": round(max(agent_rss) / 2**20, 1)}
         if agent_rss else None,
+        "accounted": accounted,
         "load_average": round(os.getloadavg()[0], 2),
         "server_cores": sorted(cores[0]) if cores else None,
         "agent_cores": sorted(cores[1]) if cores else None,
@@ -222,6 +268,12 @@ def main() -> None:
         if not a.skip_vllm:
             result["vllm"] = vllm_ab(a.short)
             result["vllm_pinned"] = vllm_ab(a.short, pin=True)
+            per_step = result["hook"]["hook_cost_us"].get("attached")
+            for v in (result["vllm"], result["vllm_pinned"]):
+                acc = v.get("accounted")
+                if acc and per_step is not None:   # the hook's cost per step times the steps it recorded
+                    hook_s = acc["steps_recorded"] * per_step / 1e6
+                    acc["hook_pct_of_server_cpu"] = round(100 * hook_s / acc["server_cpu_s"], 3)
     print(json.dumps(result, indent=1))
     if a.json:
         with open(a.json, "w") as f:

@@ -103,6 +103,12 @@ def ab_markdown(v: dict, layout: str) -> list[str]:
         f"  - the server's own CPU time per token, B/A: user {c['user']['mean']:.3f} (min {c['user']['min']:.3f}, max "
         f"{c['user']['max']:.3f}), system {c['system']['mean']:.3f} (min {c['system']['min']:.3f}, max {c['system']['max']:.3f}); "
         "user and system by process: " + ", ".join(f"{g} {c[g]['mean']:.3f}" for g in ("api", "engine", "workers") if g in c),
+        *([f"  - accounted (one more B phase, outside the ratios): kvtrace's BPF programs took {acc['bpf_cpu_ms']:,} ms "
+           f"of CPU (on every process's events), {acc['bpf_pct_of_server_cpu']:.2f}% of the server's {acc['server_cpu_s']} s; the hook "
+           + (f"{acc['hook_pct_of_server_cpu']:.2f}% ({acc['steps_recorded']:,} steps at its cost per step)"
+              if "hook_pct_of_server_cpu" in acc else "not estimated")
+           + "; busiest programs: " + ", ".join(f"{b['program']} {b['ms']} ms" for b in acc["bpf_top"][:3])]
+          if (acc := v.get("accounted")) else []),
         f"  - agent in steady state: CPU {v['agent_cpu_pct_of_core']['mean']:.1f}% of a core (max "
         f"{v['agent_cpu_pct_of_core']['max']:.1f}%), RSS {v['agent_rss_mib']['mean']} MiB mean, "
         f"{v['agent_rss_mib']['max']} MiB max (target 150 MB)",

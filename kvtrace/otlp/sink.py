@@ -42,9 +42,13 @@ class OtlpSink:
     name = "otlp"
 
     def __init__(self, url: str, protocol: str, run: str, host: str, clock_offset_ns: int, *,
-                 lateness_s: float = 3.0, exporter_kw: dict | None = None, correlator_kw: dict | None = None,
-                 inbox: int = 8):
+                 lateness_s: float = 3.0, every_s: float | None = None, exporter_kw: dict | None = None,
+                 correlator_kw: dict | None = None, inbox: int = 8):
         self.run, self.offset = run, clock_offset_ns
+        # a correlation pass re-reads every row still in the window (lateness + the time between
+        # passes): a pass every `lateness` reads each row about twice, one every flush four times
+        self.every_ns = int((lateness_s if every_s is None else every_s) * 1e9)
+        self.next_pass = 0
         self.resource = encode.resource_attrs(host, run)
         self.exporter = Exporter(url, protocol, self.resource, **(exporter_kw or {}))
         self.live = LiveCorrelator(run, lateness_ns=int(lateness_s * 1e9), **(correlator_kw or {}))
@@ -64,19 +68,22 @@ class OtlpSink:
         if self.finished:
             return
         try:
-            self.inbox.put_nowait(tables)
+            self.inbox.put_nowait((time.monotonic_ns(), tables))   # the flush's time: its pass's now
         except queue.Full:
             self.input_dropped_batches += 1
             self.input_dropped_rows += sum(t.num_rows for t in tables.values())
 
     def _run(self) -> None:
         while True:
-            tables = self.inbox.get()
-            if tables is None:
+            item = self.inbox.get()
+            if item is None:
                 return
+            now, tables = item
             try:
                 self.live.feed(tables)
-                self._advance(time.monotonic_ns())
+                if now >= self.next_pass:
+                    self.next_pass = now + self.every_ns
+                    self._advance(now)
             except Exception as e:  # a correlation bug must not stop capture
                 self.errors += 1
                 self.last_error = f"{type(e).__name__}: {e}"[:300]

@@ -49,6 +49,26 @@ def test_round_trip_with_partitions_and_compaction(tmp_path):
     assert ds.runs()[0]["lost_events"] == {"file_io": 2}
 
 
+def codecs(path) -> set[str]:
+    md = pq.ParquetFile(path).metadata
+    return {md.row_group(g).column(c).compression for g in range(md.num_row_groups) for c in range(md.num_columns)}
+
+
+def test_parts_are_cheap_to_write_and_compaction_writes_zstd(tmp_path):
+    w = DatasetWriter(tmp_path, "r1", "h")
+    for i in range(2):
+        w.add("file_io", rows(10, i * 10))
+        w.flush(run_row())
+    parts = list(w.parts["file_io"])
+    assert [codecs(p) for p in parts] == [{"LZ4"}, {"LZ4"}]
+    assert all(not pq.ParquetFile(p).metadata.row_group(0).column(0).has_dictionary_page for p in parts)
+    assert codecs(next((tmp_path / "runs").rglob("*.parquet"))) == {"ZSTD"}
+    w.compact()
+    (merged,) = (tmp_path / "file_io").rglob("*.parquet")
+    assert codecs(merged) == {"ZSTD"} and not any(p.exists() for p in parts)
+    assert Dataset.open(tmp_path).table("file_io")["ts_ns"].to_pylist() == list(range(20))
+
+
 def test_parts_left_by_a_crash_read_back_and_a_torn_file_is_named(tmp_path):
     w = DatasetWriter(tmp_path, "r1", "h")
     w.add("file_io", rows(5))

@@ -250,6 +250,30 @@ def test_live_sink_sends_the_same_spans_as_export(dataset, receiver, kvtrace_cli
     assert sorted(s.key() for s in receiver.got.spans) == exported
 
 
+@pytest.mark.parametrize("every_s", [0, 3600])
+def test_live_sink_passes_at_its_period_and_sends_the_same_spans(dataset, receiver, kvtrace_cli, every_s, monkeypatch):
+    import kvtrace.otlp.sink as sink_mod
+
+    clock = [0]   # the flushes' times: those of the recorded data, one slice per flush
+    monkeypatch.setattr(sink_mod, "time", type("Clock", (), {"monotonic_ns": staticmethod(lambda: clock[0])}))
+    kvtrace_cli("correlate", str(dataset), check=True)
+    receiver.got.spans.clear()
+    assert kvtrace_cli("export", str(dataset), "--otlp", receiver.grpc_url).returncode == 0
+    exported = sorted(s.key() for s in receiver.got.spans)
+    receiver.got.spans.clear()
+    sink = OtlpSink(receiver.grpc_url, "grpc", "run1", "hostA", OFFSET, lateness_s=0, every_s=every_s)
+    batches = list(_slices(run_tables(), 5))
+    for now, batch in batches:
+        clock[0] = min(now, 2**63)
+        sink.consume(batch)
+    sink.finish()
+    # every flush its own pass; or, an hour apart, the first flush's and the last one's (its
+    # clock is the end of time: what is left), then the one at stop
+    assert sink.live.passes == (len(batches) + 1 if every_s == 0 else 3) and len(batches) == 5
+    assert sink.exporter.stats.dropped() == 0 and sink.input_dropped_batches == 0
+    assert sorted(s.key() for s in receiver.got.spans) == exported
+
+
 # ---------------------------------------------------------------------------------------------
 # The endpoint down, slow or refusing: nothing blocks, memory stays bounded, drops are counted
 

@@ -92,7 +92,7 @@ def run_capture(server, rx, base) -> dict:
         for i in range(5):                           # 5 x 32 fresh blocks > 122: A's blocks evicted
             send(f"F{i}", tok(1000), max_tokens=1)
         send("A2", A)                                # 31 blocks loaded from the files
-        time.sleep(4)                                # > the agent's lateness: everything final while attached
+        time.sleep(7)                                # > lateness + a pass's period: everything final while attached
     finally:
         if agent.poll() is None:
             agent.send_signal(signal.SIGINT)
