@@ -2,7 +2,7 @@
 
 Rows made the way the agent makes them (raw ring-buffer records of realistic values through
 the probes' own decoders for file_io and block_io; the hook's step records through the
-usermark decoder), then written in part files of one flush's worth of rows each (zstd, 0600,
+usermark decoder), then written in part files of one flush's worth of rows each (LZ4 parts, zstd once compacted, 0600,
 atomic rename, the run row rewritten every flush), then compacted as at a clean stop.
 Reported per table: rows/s and MiB/s of Parquet written, on one core, plus the compaction rate.
 

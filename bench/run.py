@@ -167,7 +167,7 @@ def attach_markdown(a: dict) -> list[str]:
 
 
 def parquet_markdown(p: dict) -> list[str]:
-    out = ["", "## Parquet writes (bench/parquet.py, one flush's rows per part file, zstd)", "",
+    out = ["", "## Parquet writes (bench/parquet.py, one flush's rows per part file: LZ4 parts, compacted to zstd)", "",
            "| table | rows | rows/s | rows per CPU s | MiB/s | bytes/row | compaction rows/s |", "|---|---|---|---|---|---|---|"]
     for name, r in p.items():
         out.append(f"| {name} | {r['rows']:,} | {r['rows_per_s']:,} | {r['rows_per_cpu_s']:,} | {r['mib_per_s']} | "
