@@ -234,13 +234,19 @@ def test_export_sends_the_dataset_as_one_trace_per_request(dataset, receiver, kv
     assert (h.count, h.sum) == (1, pytest.approx(100e-6))
 
 
-def test_live_sink_sends_the_same_spans_as_export(dataset, receiver, kvtrace_cli):
+def exported_spans(dataset, receiver, kvtrace_cli) -> list:
+    """What `kvtrace export` sends of the recorded dataset (the receiver is left empty)."""
     kvtrace_cli("correlate", str(dataset), check=True)
     receiver.got.spans.clear()
     r = kvtrace_cli("export", str(dataset), "--otlp", receiver.grpc_url)
     assert r.returncode == 0, r.stderr
     exported = sorted(s.key() for s in receiver.got.spans)
     receiver.got.spans.clear()
+    return exported
+
+
+def test_live_sink_sends_the_same_spans_as_export(dataset, receiver, kvtrace_cli):
+    exported = exported_spans(dataset, receiver, kvtrace_cli)
     sink = OtlpSink(receiver.grpc_url, "grpc", "run1", "hostA", OFFSET, lateness_s=0)
     for now, batch in _slices(run_tables(), 5):
         sink.live.feed(batch)
@@ -256,11 +262,7 @@ def test_live_sink_passes_at_its_period_and_sends_the_same_spans(dataset, receiv
 
     clock = [0]   # the flushes' times: those of the recorded data, one slice per flush
     monkeypatch.setattr(sink_mod, "time", type("Clock", (), {"monotonic_ns": staticmethod(lambda: clock[0])}))
-    kvtrace_cli("correlate", str(dataset), check=True)
-    receiver.got.spans.clear()
-    assert kvtrace_cli("export", str(dataset), "--otlp", receiver.grpc_url).returncode == 0
-    exported = sorted(s.key() for s in receiver.got.spans)
-    receiver.got.spans.clear()
+    exported = exported_spans(dataset, receiver, kvtrace_cli)
     sink = OtlpSink(receiver.grpc_url, "grpc", "run1", "hostA", OFFSET, lateness_s=0, every_s=every_s)
     batches = list(_slices(run_tables(), 5))
     for now, batch in batches:
