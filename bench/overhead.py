@@ -14,8 +14,9 @@ every 0.2 s, after attach: the steady state).  Then the same again with the serv
 of its own and the agent and the client on the others (``vllm_pinned``: a GPU server's
 layout, where the engine's CPU threads do not share cores with the agent).  After the A/B
 phases of each layout, one more B phase outside the ratios, with the kernel's BPF run-time
-accounting on: the CPU kvtrace's BPF programs took, and the steps the hook recorded times its
-cost per step, each as a share of the server's CPU.  The hook's cost per engine step, detached
+accounting on: the CPU kvtrace's BPF programs took, the steps the hook recorded times its
+cost per step, and the server's system calls times what the system-call slow path adds to
+each, each as a share of the server's CPU.  The hook's cost per engine step, detached
 and attached, comes from bench/hookstep.py in vLLM's interpreter under `kvtrace attach`.
 
     sudo .venv/bin/python bench/overhead.py [--short] [--json out.json]
@@ -107,33 +108,79 @@ def bpf_programs() -> dict[int, tuple[str, int, int]]:
             for p in json.loads(out.stdout or "[]")}
 
 
+def syscall_ns(n: int = 100_000, reps: int = 7) -> float:
+    """The fastest of reps loops of n getppid() calls, ns per call (a system call kvtrace does
+    not trace: what it costs more while the agent is attached is the system-call slow path)."""
+    call, best = os.getppid, float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            call()
+        best = min(best, (time.perf_counter_ns() - t0) / n)
+    return best
+
+
+COUNT_SYSCALLS = """
+BPF_HASH(calls, u32, u64, 4096);
+RAW_TRACEPOINT_PROBE(sys_enter) { u32 tgid = bpf_get_current_pid_tgid() >> 32; calls.increment(tgid); return 0; }
+"""
+
+
+def server_syscalls():
+    """A counter of every process's system calls (bcc), read with syscalls_of()."""
+    from bcc import BPF
+
+    return BPF(text=COUNT_SYSCALLS)
+
+
+def syscalls_of(counter, pids: set[int]) -> int:
+    return sum(v.value for k, v in counter["calls"].items() if k.value in pids)
+
+
 def accounted_phase(server: VllmServer, reqs, concurrency: int, n: int, work: Path, otlp_url: str | None) -> dict:
     """One more B phase, not in the ratios (the kernel's run-time accounting costs a little):
     the CPU time kvtrace's BPF programs took, from the kernel's own per-program counters, and
-    the engine steps the hook recorded (times its cost per step: the hook's share)."""
+    the engine steps the hook recorded (times its cost per step: the hook's share).  And the
+    system-call slow path: once any syscall tracepoint has a program, every system call of
+    every process takes the kernel's slower entry and exit.  Its cost per call is measured on
+    an untraced system call with and without the agent (alternately, the fastest of each), and
+    charged to the server for every system call it made in the phase (counted by a program of
+    this bench, loaded after the agent's and not counted among them)."""
+    bare = [syscall_ns()]
     before = set(bpf_programs())
     agent = Agent(server, work / "accounted", otlp_url)
     time.sleep(SETTLE_S)
     mine = set(bpf_programs()) - before   # the agent's programs
+    traced = [syscall_ns()]
+    counter = server_syscalls()
+    pids = {p for ps in server.processes().values() for p in ps}
     old = open(STATS).read().strip()
     with open(STATS, "w") as f:
         f.write("1")
     try:
-        p0, c0 = bpf_programs(), server_cpu(server)
+        p0, c0, s0 = bpf_programs(), server_cpu(server), syscalls_of(counter, pids)
         r = phase(server, reqs, concurrency, n)
-        p1, c1 = bpf_programs(), server_cpu(server)
+        p1, c1, s1 = bpf_programs(), server_cpu(server), syscalls_of(counter, pids)
     finally:
         with open(STATS, "w") as f:
             f.write(old)
+        counter.cleanup()
+        traced.append(syscall_ns())
         agent.stop()
+    bare.append(syscall_ns())
     progs = sorted(((p1[i][1] - p0[i][1], p1[i][2] - p0[i][2], p1[i][0]) for i in p1 if i in p0 and i in mine), reverse=True)
     from kvtrace.dataset.reader import Dataset
 
     steps = Dataset.open(work / "accounted").table("step").num_rows
     server_s = sum(sum(c1[g]) - sum(c0[g]) for g in c0 if g in c1)
     bpf_ns = sum(t for t, _, _ in progs)
+    slow_ns = max(min(traced) - min(bare), 0.0)
+    calls = s1 - s0
     return {"wall_s": r["wall_s"], "tokens": r["tokens"], "server_cpu_s": round(server_s, 3), "steps_recorded": steps,
             "bpf_cpu_ms": round(bpf_ns / 1e6, 2), "bpf_pct_of_server_cpu": round(100 * bpf_ns / 1e9 / server_s, 3),
+            "server_syscalls_per_s": round(calls / r["wall_s"]), "syscall_ns": {"without": [round(x, 1) for x in bare],
+                                                                             "with": [round(x, 1) for x in traced]},
+            "slow_path_ns": round(slow_ns, 1), "slow_path_pct_of_server_cpu": round(100 * calls * slow_ns / 1e9 / server_s, 3),
             "bpf_top": [{"program": n, "ms": round(t / 1e6, 2), "runs": c, "ns_per_run": round(t / max(c, 1))}
                         for t, c, n in progs[:6]]}
 

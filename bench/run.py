@@ -107,6 +107,8 @@ def ab_markdown(v: dict, layout: str) -> list[str]:
            f"of CPU (on every process's events), {acc['bpf_pct_of_server_cpu']:.2f}% of the server's {acc['server_cpu_s']} s; the hook "
            + (f"{acc['hook_pct_of_server_cpu']:.2f}% ({acc['steps_recorded']:,} steps at its cost per step)"
               if "hook_pct_of_server_cpu" in acc else "not estimated")
+           + (f"; the system-call slow path {acc['slow_path_pct_of_server_cpu']:.2f}% ({acc['server_syscalls_per_s']:,} server "
+              f"system calls a second, {acc['slow_path_ns']} ns more each)" if "slow_path_ns" in acc else "")
            + "; busiest programs: " + ", ".join(f"{b['program']} {b['ms']} ms" for b in acc["bpf_top"][:3])]
           if (acc := v.get("accounted")) else []),
         f"  - agent in steady state: CPU {v['agent_cpu_pct_of_core']['mean']:.1f}% of a core (max "

@@ -7,7 +7,7 @@ import struct
 import pyarrow as pa
 
 from kvtrace.capture.events import HEADER, KIND_USER, DecodeContext, struct_dtype
-from kvtrace.hook.wire import CODEC, MAGIC
+from kvtrace.hook.wire import CODEC, MAGIC, evict_rows
 
 NAME = "usermark"
 KIND = KIND_USER
@@ -62,6 +62,12 @@ def records(raw: list[bytes], ctx: DecodeContext | None = None) -> dict[str, lis
             ctx.bad_frames += 1
             continue
         for name, rec in CODEC.decode_frame(frame):
+            if name == "evicts":   # a batch: one evict row per hash
+                rows = out.setdefault("evict", [])
+                for row in evict_rows(rec):
+                    row.update(mark_ns=ts, pid=pid, tid=tid)
+                    rows.append(row)
+                continue
             rec.update(mark_ns=ts, pid=pid, tid=tid)
             out.setdefault(name, []).append(rec)
     return out

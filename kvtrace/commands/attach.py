@@ -20,7 +20,8 @@ from kvtrace.vllm.select import choose_server, server_of
 @click.option("--skip-nonfile-fds/--trace-nonfile-fds", "skip_fds", default=True, show_default=True,
               help="Let the kernel skip reads and writes on sockets, pipes and eventfds once /proc says a descriptor "
                    "is not a file (far fewer events from a serving process); --trace-nonfile-fds traces them all.")
-@click.option("--ringbuf-pages", type=int, default=4096, show_default=True, help="Ring buffer size in pages (a power of two).")
+@click.option("--ringbuf-pages", type=int, default=2048, show_default=True,
+              help="Ring buffer size in pages (a power of two; 2048 = 8 MiB, all of it in the agent's RSS).")
 @click.option("--flush-interval", type=float, default=1.0, show_default=True, help="Seconds between Parquet part files (a crash loses at most this much).")
 @click.option("--quiet", is_flag=True, help="No live status line.")
 @click.option("--sampling", "sampling", default="auto", show_default=True, metavar="auto|off|N",

@@ -9,7 +9,7 @@ EngineCore (role "engine"):
   Scheduler.schedule / update_from_output   step span, chunk and admit records, flush
   Scheduler._preempt_request                 preempt
   KVCacheManager.allocate_slots              hit sizes at admission; which request allocates
-  BlockPool._maybe_evict_cached_block        evict (one per BlockRemoved hash)
+  BlockPool._maybe_evict_cached_block        evicts (a batch per allocation, one hash per BlockRemoved)
 Worker (role "worker"), on the class of each KV connector vLLM creates:
   bind_connector_metadata / start_load_kv / wait_for_layer_load / wait_for_save   kv_load, kv_store
 
@@ -31,13 +31,13 @@ import time
 
 try:
     from kvtrace.hook.transport import Transport, agent_pids, owner_live
-    from kvtrace.hook.wire import CODEC
+    from kvtrace.hook.wire import CODEC, EVICTS_MAX
 except ImportError:  # imported from a path where kvtrace is not installed: use the sibling files
     _root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, _root)
     try:
         from kvtrace.hook.transport import Transport, agent_pids, owner_live
-        from kvtrace.hook.wire import CODEC
+        from kvtrace.hook.wire import CODEC, EVICTS_MAX
     finally:
         sys.path.remove(_root)
 
@@ -78,6 +78,7 @@ class _Engine:
         self.alloc: dict[str, tuple] = {}    # request id -> (local, external, hit blocks, last hash)
         self.steps: dict[int, tuple] = {}    # id(SchedulerOutput) -> step summary
         self.evicted = 0
+        self.ev: list | None = None          # the open `evicts` batch: [step, t_ns, medium, request, blocks]
         self.alloc_failures = 0
         self.broken = ""
         self.seen_check = 0
@@ -341,6 +342,8 @@ def _wrap_schedule(orig):
         out = orig(self, *args, **kwargs)
         S.last_alloc = ""
         try:
+            if S.ev is not None:
+                _evicts_out()
             _after_schedule(self, out, t0, time.monotonic_ns())
         except Exception as e:
             T.error(e)
@@ -440,8 +443,10 @@ def _wrap_update_from_output(orig):
     def update_from_output(self, scheduler_output, *args, **kwargs):
         info = S.steps.pop(id(scheduler_output), None) if S.steps else None
         out = orig(self, scheduler_output, *args, **kwargs)
-        if info is not None or _Q:
+        if info is not None or _Q or S.ev is not None:
             try:
+                if S.ev is not None:
+                    _evicts_out()
                 now = time.monotonic_ns()
                 if info is not None:
                     _enqueue(("step", info[0], info[1], info[2], now) + info[3:])
@@ -545,12 +550,26 @@ def _wrap_maybe_evict(orig):
 
 
 def _note_evict(pool, bid: int, key: bytes, extra) -> None:
-    now = time.monotonic_ns()
-    medium = str(getattr(pool, "medium", "") or "")
-    step, req, from_bytes = S.step, S.cur_req, int.from_bytes
+    """Add the hashes the block held to the open batch (a new one for another step, request or
+    medium, or when full): one `evicts` record per allocation instead of one per hash."""
+    medium = getattr(pool, "medium", "") or ""
+    b, step, req, from_bytes = S.ev, S.step, S.cur_req, int.from_bytes
+    if b is None or b[0] != step or b[3] != req or b[2] != medium or len(b[4]) >= 2 * EVICTS_MAX:
+        if b is not None:
+            _enqueue(("evicts", *b))
+        b = S.ev = [step, time.monotonic_ns(), medium, req, []]
+    blocks = b[4]
     for k in (key, *extra) if extra else (key,):
         S.evicted += 1
-        _enqueue(("evict", step, now, from_bytes(k[-12:-4], "big"), from_bytes(k[-4:], "big"), bid, medium, req))
+        blocks.append(from_bytes(k[-12:-4], "big"))
+        blocks.append(from_bytes(k[-4:], "big") << 32 | bid)
+
+
+def _evicts_out() -> None:
+    """Queue the open `evicts` batch (at the end of schedule() and of update_from_output())."""
+    if S.ev is not None:
+        _enqueue(("evicts", *S.ev))
+        S.ev = None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -74,7 +74,22 @@ RECORDS: dict[int, tuple[str, list[tuple[str, str]]]] = {
     # limit (its output length when it is not stopped early).  Token ids are never sent.
     12: ("prompt_blocks", [("step", "Q"), ("request", "s"), ("block_size", "I"), ("prompt_len", "I"),
                            ("max_output", "I"), ("num_blocks", "I"), ("first", "I"), ("hashes", "U")]),
+    # The evictions of one allocation, batched (hook 1 sends these instead of one `evict` per
+    # hash): blocks holds two u64 per hash dropped, the 64-bit block hash, then
+    # group << 32 | block_id.  The agent stores them as `evict` rows (evict_rows), one per hash,
+    # all with this record's t_ns (the first eviction of the batch).
+    13: ("evicts", [("step", "Q"), ("t_ns", "Q"), ("medium", "s"), ("request", "s"), ("blocks", "U")]),
 }
+
+EVICTS_MAX = 200  # evictions per `evicts` record (3,200 bytes of blocks: one record fits a frame)
+
+
+def evict_rows(rec: dict) -> list[dict]:
+    """The `evict` rows of one `evicts` record (a trailing odd value is ignored)."""
+    b = rec["blocks"]
+    step, t, medium, req = rec["step"], rec["t_ns"], rec["medium"], rec["request"]
+    return [{"step": step, "t_ns": t, "block_hash": b[i], "group": b[i + 1] >> 32, "block_id": b[i + 1] & 0xFFFFFFFF,
+             "medium": medium, "request": req} for i in range(0, len(b) - 1, 2)]
 
 
 # Variable-size codes: "s" a string (u16 length + UTF-8), "U" a list of u64 (u16 count + values).
