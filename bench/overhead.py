@@ -108,16 +108,23 @@ def bpf_programs() -> dict[int, tuple[str, int, int]]:
             for p in json.loads(out.stdout or "[]")}
 
 
-def syscall_ns(n: int = 100_000, reps: int = 7) -> float:
-    """The fastest of reps loops of n getppid() calls, ns per call (a system call kvtrace does
-    not trace: what it costs more while the agent is attached is the system-call slow path)."""
-    call, best = os.getppid, float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter_ns()
-        for _ in range(n):
-            call()
-        best = min(best, (time.perf_counter_ns() - t0) / n)
-    return best
+def syscall_ns(cores: set[int] | None, n: int = 20_000, reps: int = 25) -> float:
+    """The fastest of reps loops of n getppid() calls, ns per call, on the server's cores while
+    it is idle (a system call kvtrace does not trace: what it costs more while the agent is
+    attached is the system-call slow path).  Short loops, so that some run uninterrupted."""
+    mine = os.sched_getaffinity(0)
+    if cores:
+        os.sched_setaffinity(0, cores)
+    try:
+        call, best = os.getppid, float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter_ns()
+            for _ in range(n):
+                call()
+            best = min(best, (time.perf_counter_ns() - t0) / n)
+        return best
+    finally:
+        os.sched_setaffinity(0, mine)
 
 
 COUNT_SYSCALLS = """
@@ -137,7 +144,8 @@ def syscalls_of(counter, pids: set[int]) -> int:
     return sum(v.value for k, v in counter["calls"].items() if k.value in pids)
 
 
-def accounted_phase(server: VllmServer, reqs, concurrency: int, n: int, work: Path, otlp_url: str | None) -> dict:
+def accounted_phase(server: VllmServer, reqs, concurrency: int, n: int, work: Path, otlp_url: str | None,
+                    cores: set[int] | None = None) -> dict:
     """One more B phase, not in the ratios (the kernel's run-time accounting costs a little):
     the CPU time kvtrace's BPF programs took, from the kernel's own per-program counters, and
     the engine steps the hook recorded (times its cost per step: the hook's share).  And the
@@ -146,12 +154,12 @@ def accounted_phase(server: VllmServer, reqs, concurrency: int, n: int, work: Pa
     an untraced system call with and without the agent (alternately, the fastest of each), and
     charged to the server for every system call it made in the phase (counted by a program of
     this bench, loaded after the agent's and not counted among them)."""
-    bare = [syscall_ns()]
+    bare = [syscall_ns(cores)]
     before = set(bpf_programs())
     agent = Agent(server, work / "accounted", otlp_url)
     time.sleep(SETTLE_S)
     mine = set(bpf_programs()) - before   # the agent's programs
-    traced = [syscall_ns()]
+    traced = [syscall_ns(cores)]
     counter = server_syscalls()
     pids = {p for ps in server.processes().values() for p in ps}
     old = open(STATS).read().strip()
@@ -165,9 +173,10 @@ def accounted_phase(server: VllmServer, reqs, concurrency: int, n: int, work: Pa
         with open(STATS, "w") as f:
             f.write(old)
         counter.cleanup()
-        traced.append(syscall_ns())
+        time.sleep(1)          # the server idle again
+        traced.append(syscall_ns(cores))
         agent.stop()
-    bare.append(syscall_ns())
+    bare.append(syscall_ns(cores))
     progs = sorted(((p1[i][1] - p0[i][1], p1[i][2] - p0[i][2], p1[i][0]) for i in p1 if i in p0 and i in mine), reverse=True)
     from kvtrace.dataset.reader import Dataset
 
@@ -243,7 +252,8 @@ def vllm_ab(short: bool, pin: bool = False) -> dict:
             rounds.append(r)
             print(f"overhead: phase {len(rounds)} {mode}: {r['tokens_per_s']:.1f} tokens/s, TTFT p50 "
                   f"{r['ttft_p50_s'] * 1000:.0f} ms", file=sys.stderr)
-        accounted = accounted_phase(server, reqs, concurrency, per_phase, work, receiver.grpc_url if receiver else None)
+        accounted = accounted_phase(server, reqs, concurrency, per_phase, work, receiver.grpc_url if receiver else None,
+                                    cores[0] if cores else None)
     finally:
         server.stop()
         if receiver is not None:

@@ -137,9 +137,13 @@ def _loop(cap: Capture, source, pipeline, server, stop: Stop, gated, echo) -> st
     try:
         while not stop.check(source, watch):
             time.sleep(0.05)
-            if time.monotonic() >= next_flush:
+            now = time.monotonic()
+            if now >= next_flush:
                 pipeline.step()
-                next_flush = time.monotonic() + cap.flush_interval
+                # flush starts a fixed interval apart (a slow flush does not push the next one
+                # back), so a crash loses one interval and the flush under way; but at least half
+                # an interval of rest after a flush that overran
+                next_flush = max(next_flush + cap.flush_interval, time.monotonic() + cap.flush_interval / 2)
                 t = pipeline.totals
                 status.update(t.total(), t.bytes_read, t.bytes_written, sum(pipeline.lost_by_table().values()), source.dropped)
         status.done()

@@ -22,7 +22,7 @@ from kvtrace.vllm.select import choose_server, server_of
                    "is not a file (far fewer events from a serving process); --trace-nonfile-fds traces them all.")
 @click.option("--ringbuf-pages", type=int, default=2048, show_default=True,
               help="Ring buffer size in pages (a power of two; 2048 = 8 MiB, all of it in the agent's RSS).")
-@click.option("--flush-interval", type=float, default=1.0, show_default=True, help="Seconds between Parquet part files (a crash loses at most this much).")
+@click.option("--flush-interval", type=float, default=1.0, show_default=True, help="Seconds between Parquet part files (a crash loses the last interval, and a flush under way).")
 @click.option("--quiet", is_flag=True, help="No live status line.")
 @click.option("--sampling", "sampling", default="auto", show_default=True, metavar="auto|off|N",
               help="Raw block/file/io_uring events: auto samples them (1 in N, each row with its weight) while the ring "

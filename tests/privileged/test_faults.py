@@ -68,10 +68,14 @@ def test_sigkill_leaves_no_program_and_a_readable_dataset(tmp_path):
     assert run["status"] == "running"  # it never stopped cleanly
     io = ds.table("file_io")
     mine = io.filter(pc.equal(io["path"].cast("string"), str(data)))
-    # everything up to one flush interval (1 s), plus the time a flush takes on a loaded
-    # machine, before the kill is in the dataset
-    settled = max(c for t, c in progress if t <= kill_ns - 2_000_000_000)
-    assert mine.num_rows >= settled
+    # the dataset holds every call up to some moment before the kill (the pipeline writes in
+    # order): what was lost is the last flush interval (1 s) and the flush under way, which
+    # here writes about 20,000 rows (tens of ms; 0.5 s of slack for a loaded CI machine)
+    kept = pc.sum(mine["weight"]).as_py() or 0   # rows sampled under pressure stand for their weight
+    covered = max((t for t, c in progress if c <= kept), default=0)
+    lost_s = (kill_ns - covered) / 1e9
+    print(f"the dataset holds every call up to {lost_s:.2f} s before the kill")
+    assert lost_s <= 1.5
     assert ds.problems == []
 
 
