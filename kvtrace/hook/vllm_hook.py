@@ -41,7 +41,7 @@ except ImportError:  # imported from a path where kvtrace is not installed: use 
     finally:
         sys.path.remove(_root)
 
-HOOK_VERSION = "1"
+HOOK_VERSION = "2"  # 2: evictions batched (wire record 13)
 TESTED_VLLM = ("0.32.",)
 MAX_QUEUE = 20000          # records waiting for the step-end flush
 MAX_TRACKED = 65536        # per-request state entries (chunk counters, admission info)

@@ -74,7 +74,7 @@ RECORDS: dict[int, tuple[str, list[tuple[str, str]]]] = {
     # limit (its output length when it is not stopped early).  Token ids are never sent.
     12: ("prompt_blocks", [("step", "Q"), ("request", "s"), ("block_size", "I"), ("prompt_len", "I"),
                            ("max_output", "I"), ("num_blocks", "I"), ("first", "I"), ("hashes", "U")]),
-    # The evictions of one allocation, batched (hook 1 sends these instead of one `evict` per
+    # The evictions of one allocation, batched (hook version 2 sends these instead of one `evict` per
     # hash): blocks holds two u64 per hash dropped, the 64-bit block hash, then
     # group << 32 | block_id.  The agent stores them as `evict` rows (evict_rows), one per hash,
     # all with this record's t_ns (the first eviction of the batch).
