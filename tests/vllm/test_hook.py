@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from kvtrace.hook.transport import FLAG_PATH
+from kvtrace.hook.vllm_hook import HOOK_VERSION
 from kvtrace.hook.wire import RECORDS
 from kvtrace.vllm.server import vllm_python
 
@@ -118,8 +119,8 @@ def test_records_match_vllm(hooked_server, tmp_path):
     assert len(procs["engine"]) == 1 and procs["workers"], procs
     engine, workers = procs["engine"][0], procs["workers"]
     log = srv.log_path.read_text(errors="replace")
-    assert "kvtrace hook 1 installed (engine+worker)" in log, "plugin did not install in EngineCore"
-    assert "kvtrace hook 1 installed (worker)" in log, "plugin did not install in the Worker"
+    assert f"kvtrace hook {HOOK_VERSION} installed (engine+worker)" in log, "plugin did not install in EngineCore"
+    assert f"kvtrace hook {HOOK_VERSION} installed (worker)" in log, "plugin did not install in the Worker"
 
     rnd = random.Random(20261130)
     probes = [tokens(rnd, 200) for _ in range(3)]
