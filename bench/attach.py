@@ -43,6 +43,7 @@ from pathlib import Path
 from vllmbench import Agent, free_port, kvtrace_importable_env, one_round, requests, spread  # noqa: E402
 
 from kvtrace import phases  # noqa: E402
+from kvtrace.hook.vllm_hook import HOOK_VERSION  # noqa: E402
 from kvtrace.vllm import workload  # noqa: E402
 from kvtrace.vllm.server import VllmServer, vllm_python  # noqa: E402
 
@@ -51,7 +52,7 @@ SERVER_ARGS = ["--block-size", "32", "--enable-prefix-caching", "--max-num-batch
 SETTLE_S = 3.0
 START_TIMEOUT_S = 300.0   # an agent not attached and injected by then is killed, and the failure reported
 STOP_TIMEOUT_S = 180.0    # likewise for the removal at detach
-PLUGIN_LOG = "kvtrace hook 1 installed (engine"
+PLUGIN_LOG = f"kvtrace hook {HOOK_VERSION} installed (engine"
 
 
 def start_servers(work: Path) -> tuple[VllmServer, VllmServer]:
