@@ -137,8 +137,7 @@ def _loop(cap: Capture, source, pipeline, server, stop: Stop, gated, echo) -> st
     try:
         while not stop.check(source, watch):
             time.sleep(0.05)
-            now = time.monotonic()
-            if now >= next_flush:
+            if time.monotonic() >= next_flush:
                 pipeline.step()
                 # flush starts a fixed interval apart (a slow flush does not push the next one
                 # back), so a crash loses one interval and the flush under way; but at least half

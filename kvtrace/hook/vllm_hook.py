@@ -566,10 +566,10 @@ def _note_evict(pool, bid: int, key: bytes, extra) -> None:
 
 
 def _evicts_out() -> None:
-    """Queue the open `evicts` batch (at the end of schedule() and of update_from_output())."""
-    if S.ev is not None:
-        _enqueue(("evicts", *S.ev))
-        S.ev = None
+    """Queue the open `evicts` batch (the callers, at the end of schedule() and of
+    update_from_output(), test that there is one)."""
+    _enqueue(("evicts", *S.ev))
+    S.ev = None
 
 
 # ---------------------------------------------------------------------------------------------
