@@ -2,6 +2,8 @@
  * them (nvme-tcp's sockets are kernel sockets: there is no process to filter on).
  *
  *   tcp:tcp_retransmit_skb     every retransmitted segment
+ *   tcp:tcp_retransmit_synack  every retransmitted SYN-ACK of a listener (the final ACK of the
+ *                              handshake was lost, or dropped: accept queue full, TCP_DEFER_ACCEPT)
  *   sock:inet_sock_set_state   every state change (connect, close, reset)
  *   tcp:tcp_probe              srtt, cwnd, ssthresh, windows at received segments; one event
  *                              per connection per probe interval, carrying how many probes
@@ -16,10 +18,14 @@
 #define KV_TCP_RETRANS 1
 #define KV_TCP_STATE   2
 #define KV_TCP_PROBE   3
+#define KV_TCP_SYNACK  4
+
+#define KV_TCP_NEW_SYN_RECV 12   /* a request socket's state (include/net/tcp_states.h) */
 
 struct kv_tcp_event {
     struct kv_hdr h;       /* tgid/tid: the context the event ran in (often softirq) */
-    u64 skaddr;            /* the socket (connection id), 0 when the kernel does not give it */
+    u64 skaddr;            /* the socket (connection id), 0 when the kernel does not give it;
+                              SYN-ACK: the listener */
     u64 sock_cookie;
     u32 srtt_us;
     u32 snd_cwnd;
@@ -33,7 +39,8 @@ struct kv_tcp_event {
     u16 dport;
     u16 family;            /* AF_INET 2, AF_INET6 10 */
     u8  type;              /* KV_TCP_* */
-    u8  state;             /* retransmit: the socket's state; state change: the old state */
+    u8  state;             /* retransmit: the socket's state; state change: the old state;
+                              SYN-ACK: NEW_SYN_RECV */
     u8  newstate;
     u8  pad[7];
     u8  saddr[16];         /* IPv4 in the first 4 bytes */
@@ -93,6 +100,36 @@ TRACEPOINT_PROBE(tcp, tcp_retransmit_skb)
 #endif
 #ifdef KV_TCP_RETRANS_ERR
     e->err = args->err;
+#endif
+    if (e->family == 10) {
+        bpf_probe_read_kernel(e->saddr, 16, (void *)args->saddr_v6);
+        bpf_probe_read_kernel(e->daddr, 16, (void *)args->daddr_v6);
+    } else {
+        bpf_probe_read_kernel(e->saddr, 4, (void *)args->saddr);
+        bpf_probe_read_kernel(e->daddr, 4, (void *)args->daddr);
+    }
+    kv_submit(e, sizeof(*e));
+    return 0;
+}
+#endif
+
+#ifdef KV_TCP_HAVE_SYNACK
+TRACEPOINT_PROBE(tcp, tcp_retransmit_synack)
+{
+    u16 sport = args->sport, dport = args->dport;
+    if (!kv_tcp_port(sport, dport))
+        return 0;
+    struct kv_tcp_event *e = kv_tcp_new(KV_TCP_SYNACK);
+    if (!e)
+        return 0;
+    e->skaddr = (u64)args->skaddr;
+    e->state = KV_TCP_NEW_SYN_RECV;
+    e->sport = sport;
+    e->dport = dport;
+#ifdef KV_TCP_SYNACK_FAMILY
+    e->family = args->family;
+#else
+    e->family = 2;
 #endif
     if (e->family == 10) {
         bpf_probe_read_kernel(e->saddr, 16, (void *)args->saddr_v6);

@@ -1,5 +1,5 @@
-"""Decoder for probes/tcp.bpf.c: retransmits, state changes and RTT/cwnd samples of TCP
-connections on the NVMe/TCP ports (table ``tcp_events``)."""
+"""Decoder for probes/tcp.bpf.c: retransmits (of segments and of SYN-ACKs), state changes and
+RTT/cwnd samples of TCP connections on the NVMe/TCP ports (table ``tcp_events``)."""
 from __future__ import annotations
 
 import ipaddress
@@ -38,7 +38,7 @@ DTYPE = struct_dtype(
     ]
 )
 DEFAULT_PORTS = (4420,)
-EVENTS = {1: "retransmit", 2: "state", 3: "probe"}
+EVENTS = {1: "retransmit", 2: "state", 3: "probe", 4: "synack_retransmit"}
 # include/net/tcp_states.h
 STATES = ["", "ESTABLISHED", "SYN_SENT", "SYN_RECV", "FIN_WAIT1", "FIN_WAIT2", "TIME_WAIT", "CLOSE",
           "CLOSE_WAIT", "LAST_ACK", "LISTEN", "CLOSING", "NEW_SYN_RECV", "BOUND_INACTIVE"]
@@ -62,6 +62,12 @@ def config(tp, fields=None) -> tuple[list[str], str | None]:
                 flags.append("-DKV_TCP_RETRANS_FAMILY")
             if f is not None and "err" in f:
                 flags.append("-DKV_TCP_RETRANS_ERR")
+    if tp("tcp", "tcp_retransmit_synack"):
+        f = fields("tcp", "tcp_retransmit_synack")
+        if f is None or {"skaddr", "sport", "dport", "saddr", "daddr", "saddr_v6", "daddr_v6"} <= f:
+            flags.append("-DKV_TCP_HAVE_SYNACK")
+            if f is None or "family" in f:
+                flags.append("-DKV_TCP_SYNACK_FAMILY")
     if tp("sock", "inet_sock_set_state"):
         f = fields("sock", "inet_sock_set_state")
         if f is None or {"skaddr", "oldstate", "newstate", "sport", "dport", "family", "protocol"} <= f:
@@ -75,7 +81,7 @@ def config(tp, fields=None) -> tuple[list[str], str | None]:
             if f is None or "sock_cookie" in f:
                 flags.append("-DKV_TCP_PROBE_COOKIE")
     if not flags:
-        return [], "tcp:tcp_retransmit_skb, tcp:tcp_probe and sock:inet_sock_set_state missing"
+        return [], "tcp:tcp_retransmit_skb, tcp:tcp_retransmit_synack, tcp:tcp_probe and sock:inet_sock_set_state missing"
     return flags, None
 
 
@@ -162,6 +168,11 @@ class Reference:
             e["skaddr"], e["state"], e["sport"], e["dport"] = f["skaddr"], f["state"], f["sport"], f["dport"]
             e["family"] = f.get("family", 2)
             e["err"] = f.get("err", 0)
+            self._addrs(e, int(e["family"][0]), f)
+        elif event == "tcp_retransmit_synack":
+            e = self._new(4, ts, pid, tid)
+            e["skaddr"], e["state"], e["sport"], e["dport"] = f["skaddr"], 12, f["sport"], f["dport"]
+            e["family"] = f.get("family", 2)
             self._addrs(e, int(e["family"][0]), f)
         elif event == "inet_sock_set_state":
             if f["protocol"] != 6:

@@ -1,5 +1,5 @@
-"""A TCP connection to port 4420 between two network namespaces, with an outage that forces
-retransmissions; reports what the kernel itself counted (Tcp RetransSegs of both
+"""A TCP connection to port 4420 between two network namespaces, accepted late (TCP_DEFER_ACCEPT:
+the listener sends its SYN-ACK again) and with an outage that forces retransmissions; reports what the kernel itself counted (Tcp RetransSegs of both
 namespaces) and what was sent.  Run by test_fabric.py under `kvtrace attach`.
 
     python tcp_4420.py --ns-a A --ns-b B --addr 10.99.0.2 --result out.json
@@ -18,6 +18,7 @@ import time
 SERVER = r"""
 import socket, sys
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, 1)   # a bare final ACK waits: one SYN-ACK again at 1 s
 s.bind((sys.argv[1], 4420)); s.listen(1); print("listening", flush=True)
 c, _ = s.accept(); n = 0
 while True:
@@ -66,6 +67,7 @@ def main() -> None:
     setns(a.ns_a)
     c = socket.create_connection((a.addr, 4420), timeout=30)
     sport = c.getsockname()[1]
+    time.sleep(2.0)                       # no data yet: the listener (TCP_DEFER_ACCEPT) sends its SYN-ACK again
     sent = 0
     payload = os.urandom(65536)
     c.sendall(payload)
@@ -91,6 +93,7 @@ def main() -> None:
     json.dump({"pid": os.getpid(), "sport": sport, "sent": sent, "received": got,
                "retrans_segs": d("Tcp.RetransSegs"), "loss_probes": d("TcpExt.TCPLossProbes"),
                "retrans_fail": d("TcpExt.TCPRetransFail"),
+               "synack_retrans": d("TcpExt.TCPSynRetrans", (a.ns_b,)),   # B only listens: its SYN retransmits are SYN-ACKs
                # the host's own, in the same time: the kernel's skips of our program are not per namespace
                "host_retrans_segs": d("Tcp.RetransSegs", (None,))}, open(a.result, "w"))
 

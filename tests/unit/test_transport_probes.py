@@ -51,8 +51,16 @@ def test_tcp_state_rtt_and_retransmits_on_the_nvme_port(kernel):
              ssthresh=0x7FFFFFFF, snd_wnd=65536, rcv_wnd=131072, data_len=4096, sock_cookie=77, skaddr=sk)
     v6 = dict(sport=4420, dport=40000, family=10, saddr_v6=bytes(15) + b"\x01", daddr_v6=bytes(15) + b"\x02")
     feed(ref, kernel, "tcp", "tcp_retransmit_skb", 20_000_000, skaddr=sk + 2, state=1, **v6)
+    # a listener's SYN-ACK again (the handshake's last ACK lost or dropped); other ports not kept
+    listener = 0xFFFF888012349900
+    syn = dict(sport=4420, dport=51300, family=2, saddr=V4("10.10.0.2"), daddr=V4("10.10.0.9"))
+    feed(ref, kernel, "tcp", "tcp_retransmit_synack", 21_000_000, skaddr=listener, req=listener + 64, **syn)
+    feed(ref, kernel, "tcp", "tcp_retransmit_synack", 22_000_000, skaddr=listener, req=listener + 128, **dict(syn, sport=22))
     rows = tcp.decode(ref.events, DecodeContext()).to_pylist()
-    assert [r["event"] for r in rows] == ["state", "state", "probe", "probe", "retransmit"]
+    assert [r["event"] for r in rows] == ["state", "state", "probe", "probe", "retransmit", "synack_retransmit"]
+    sa = rows[5]
+    assert (sa["conn"], sa["skaddr"], sa["state"], sa["err"], sa["ts_ns"]) == (
+        "10.10.0.2:4420->10.10.0.9:51300", listener, "NEW_SYN_RECV", None, 21_000_000)
     assert [(r["state"], r["newstate"]) for r in rows[:2]] == [("CLOSE", "SYN_SENT"), ("SYN_SENT", "ESTABLISHED")]
     assert {r["conn"] for r in rows[:4]} == {"10.10.0.1:51234->10.10.0.2:4420"}
     p1, p2 = rows[2], rows[3]
@@ -65,12 +73,13 @@ def test_tcp_state_rtt_and_retransmits_on_the_nvme_port(kernel):
     assert (rt["family"], rt["saddr"], rt["daddr"], rt["state"], rt["sport"]) == ("ipv6", "::1", "::2", "ESTABLISHED", 4420)
     flags, why = tcp.config(tp_for(kernel), fields_for(kernel))
     assert why is None and {"-DKV_TCP_HAVE_RETRANS", "-DKV_TCP_HAVE_STATE", "-DKV_TCP_HAVE_PROBE",
-                            "-DKV_TCP_RETRANS_FAMILY", "-DKV_TCP_PROBE_COOKIE"} <= set(flags)
+                            "-DKV_TCP_RETRANS_FAMILY", "-DKV_TCP_PROBE_COOKIE", "-DKV_TCP_HAVE_SYNACK",
+                            "-DKV_TCP_SYNACK_FAMILY"} <= set(flags)
     assert ("-DKV_TCP_PROBE_SKADDR" in flags) is has_skaddr
 
 
 def test_tcp_config_without_tracepoints():
-    assert tcp.config(lambda c, e: False) == ([], "tcp:tcp_retransmit_skb, tcp:tcp_probe and sock:inet_sock_set_state missing")
+    assert tcp.config(lambda c, e: False) == ([], "tcp:tcp_retransmit_skb, tcp:tcp_retransmit_synack, tcp:tcp_probe and sock:inet_sock_set_state missing")
     flags, why = tcp.config(lambda c, e: e == "tcp_probe", lambda c, e: {"saddr", "daddr", "sport", "dport", "srtt",
                                                                            "snd_cwnd", "ssthresh", "snd_wnd", "rcv_wnd", "data_len"})
     assert why is None and flags == ["-DKV_TCP_HAVE_PROBE"]   # 5.10-like: neither skaddr nor sock_cookie

@@ -38,6 +38,9 @@ NVME_SQ = [f("int", "ctrl_id"), f("char", "disk", 32), f("int", "qid"), f("u16",
 TCP_SK_SKB = [f("const void *", "skbaddr"), f("const void *", "skaddr"), f("int", "state"), f("__u16", "sport"),
               f("__u16", "dport"), f("__u16", "family"), f("__u8", "saddr", 4), f("__u8", "daddr", 4),
               f("__u8", "saddr_v6", 16), f("__u8", "daddr_v6", 16)]
+TCP_SYNACK = [f("const void *", "skaddr"), f("const void *", "req"), f("__u16", "sport"), f("__u16", "dport"),
+              f("__u16", "family"), f("__u8", "saddr", 4), f("__u8", "daddr", 4), f("__u8", "saddr_v6", 16),
+              f("__u8", "daddr_v6", 16)]
 TCP_PROBE = [f("__u8", "saddr", 28), f("__u8", "daddr", 28), f("__u16", "sport"), f("__u16", "dport"),
              f("__u16", "family"), f("__u32", "mark"), f("__u16", "data_len"), f("__u32", "snd_nxt"),
              f("__u32", "snd_una"), f("__u32", "snd_cwnd"), f("__u32", "ssthresh"), f("__u32", "snd_wnd"),
@@ -72,6 +75,7 @@ RDMA_CMA = {
 NVME_NEW = {"nvme_setup_cmd": NVME_SETUP, "nvme_complete_rq": NVME_COMPLETE, "nvme_async_event": NVME_AEN,
             "nvme_sq": NVME_SQ}
 NET = {"tcp/tcp_retransmit_skb": TCP_SK_SKB, "tcp/tcp_probe": TCP_PROBE, "sock/inet_sock_set_state": SET_STATE}
+ADDED = {"tcp/tcp_retransmit_synack": (TCP_SYNACK, ("5.15", "6.1"))}   # later additions: IDs from 2000, the rest unchanged
 KERNELS = {
     # 4.19-era layout: u64 metadata, no fctype (cdw10 moves to offset 64)
     "4.19": {"nvme": {"nvme_setup_cmd": NVME_SETUP_OLD, "nvme_complete_rq": NVME_COMPLETE,
@@ -80,7 +84,7 @@ KERNELS = {
     "6.1": {"nvme": NVME_NEW, **NET, "rdma_core": RDMA_CORE, "rdma_cma": RDMA_CMA},
     "6.18": {"nvme": NVME_NEW, "rdma_core": RDMA_CORE, "rdma_cma": RDMA_CMA},  # tcp/sock: copied, see REAL_618
 }
-REAL_618 = ["tcp/tcp_retransmit_skb", "tcp/tcp_probe", "sock/inet_sock_set_state"]
+REAL_618 = ["tcp/tcp_retransmit_skb", "tcp/tcp_retransmit_synack", "tcp/tcp_probe", "sock/inet_sock_set_state"]
 
 
 def layout(fields) -> list[str]:
@@ -115,6 +119,10 @@ def main() -> None:
             for event, fields in events.items():
                 ident += 1
                 write_format(HERE / kernel / "events" / key / event, event, ident, fields)
+    for ident, (key, (fields, kernels)) in enumerate(ADDED.items(), 2000):
+        system, event = key.split("/")
+        for kernel in kernels:
+            write_format(HERE / kernel / "events" / system / event, event, ident, fields)
     for key in REAL_618:
         src = Path("/sys/kernel/tracing/events") / key / "format"
         dst = HERE / "6.18" / "events" / key / "format"
