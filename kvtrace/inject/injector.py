@@ -75,7 +75,7 @@ def hook(pid: int, action: str = "install", timeout: float = 10.0) -> dict:
     """Install or uninstall the vLLM hook in pid; returns the loader's report."""
     phases.mark("inject_start", action, pid)
     try:
-        inner_dir, _ = stage.stage(pid)
+        inner_dir, _ = stage.stage(pid, python=python_version(pid))
         code = loader.render(inner_dir, "__RESULT__", action, owner=os.getpid()).replace('"__RESULT__"', "RESULT_PATH")
         return run(pid, code, timeout)
     finally:

@@ -1,10 +1,17 @@
 """Stage the hook's files where the target can import them, through /proc/PID/root so a
-containerised server sees them at the same in-container path."""
+containerised server sees them at the same in-container path.
+
+When the target runs the agent's Python minor version, the files are staged compiled too
+(``__pycache__``, as the target would write them): the import inside the target, which holds
+its main thread while it runs, then reads bytecode instead of compiling about 1,500 lines.
+"""
 from __future__ import annotations
 
 import hashlib
 import os
+import py_compile
 import shutil
+import sys
 from pathlib import Path
 
 import kvtrace
@@ -28,9 +35,10 @@ def target_root(pid: int) -> Path:
     return Path(f"/proc/{pid}/root")
 
 
-def stage(pid: int, base: str = "/tmp") -> tuple[str, Path]:
+def stage(pid: int, base: str = "/tmp", python: tuple[int, int] | None = None) -> tuple[str, Path]:
     """Copy the hook into <target root>/<base>/kvtrace-hook-<digest>; returns (path inside the
-    target, path here).  Files are root-owned and world-readable, so the target can import them."""
+    target, path here).  Files are root-owned and world-readable, so the target can import them.
+    ``python``: the target's (major, minor); the same as ours adds the compiled files."""
     inner = f"{base}/kvtrace-hook-{kvtrace.__version__}-{digest()}"
     here = target_root(pid) / inner.lstrip("/")
     if not (here / "kvtrace" / "hook" / "vllm_hook.py").exists():
@@ -39,6 +47,8 @@ def stage(pid: int, base: str = "/tmp") -> tuple[str, Path]:
             dst = tmp / "kvtrace" / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(package_dir() / rel, dst)
+        if python == tuple(sys.version_info[:2]):
+            _compile(tmp, inner)
         for p in [tmp, *tmp.rglob("*")]:
             p.chmod(0o755 if p.is_dir() else 0o644)
         try:
@@ -46,3 +56,15 @@ def stage(pid: int, base: str = "/tmp") -> tuple[str, Path]:
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)  # another agent staged it first
     return inner, here
+
+
+def _compile(root: Path, inner: str) -> None:
+    """Write each file's bytecode where the target's import looks for it (the pyc records the
+    source's size and mtime, which the rename to the final path keeps); best effort."""
+    for rel in HOOK_FILES:
+        src = root / "kvtrace" / rel
+        try:
+            py_compile.compile(str(src), dfile=f"{inner}/kvtrace/{rel}", doraise=True,
+                               invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP)
+        except (py_compile.PyCompileError, OSError):
+            return
