@@ -15,9 +15,11 @@ Standard library and vLLM only (kvtrace's hook is imported from the repository b
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -38,7 +40,9 @@ def make_scheduler_factory():
 
     from kvtrace.vllm.server import write_tiny_model   # the tests' and the demo's model
 
-    model = str(write_tiny_model(tempfile.mkdtemp(prefix="kvtrace-hookstep-")))
+    tmp = tempfile.mkdtemp(prefix="kvtrace-hookstep-")
+    atexit.register(shutil.rmtree, tmp, True)
+    model = str(write_tiny_model(tmp))
     args = EngineArgs(model=model, load_format="dummy", skip_tokenizer_init=True, block_size=BLOCK,
                       enable_prefix_caching=True, max_num_batched_tokens=BUDGET, max_model_len=2048,
                       num_gpu_blocks_override=BLOCKS)

@@ -55,7 +55,14 @@ def stage(pid: int, base: str = "/tmp", python: tuple[int, int] | None = None) -
             tmp.rename(here)
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)  # another agent staged it first
+    elif python == tuple(sys.version_info[:2]) and not _compiled(here):
+        _compile(here, inner)   # staged by a kvtrace that did not compile (pyc writes are atomic)
     return inner, here
+
+
+def _compiled(root: Path) -> bool:
+    src = root / "kvtrace" / "hook" / "vllm_hook.py"
+    return (src.parent / "__pycache__" / f"vllm_hook.{sys.implementation.cache_tag}.pyc").exists()
 
 
 def _compile(root: Path, inner: str) -> None:

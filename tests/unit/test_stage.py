@@ -37,3 +37,11 @@ def test_other_python_target_gets_sources_only(tmp_path):
     assert not list(Path(inner).rglob("__pycache__"))
     log = _imports(inner, "kvtrace.hook.wire")
     assert f"# code object from {inner}/kvtrace/hook/wire.py\n" in log, log[-3000:]   # compiled from source
+
+
+def test_an_earlier_staging_without_bytecode_gets_it(tmp_path):
+    inner, _ = stage.stage(os.getpid(), base=str(tmp_path), python=None)
+    assert not list(Path(inner).rglob("*.pyc"))
+    again, _ = stage.stage(os.getpid(), base=str(tmp_path), python=sys.version_info[:2])
+    assert again == inner and len(list(Path(inner).rglob("*.pyc"))) == len(stage.HOOK_FILES)
+    assert f"code object from '{inner}/kvtrace/hook/__pycache__/wire." in _imports(inner, "kvtrace.hook.wire")
