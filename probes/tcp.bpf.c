@@ -80,65 +80,64 @@ static __always_inline struct kv_tcp_event *kv_tcp_new(u8 type)
     return e;
 }
 
-#ifdef KV_TCP_HAVE_RETRANS
-TRACEPOINT_PROBE(tcp, tcp_retransmit_skb)
+/* a new event of a connection on one of our ports (NULL: another port, or the ring is full),
+ * addresses from a tracepoint's saddr/daddr (IPv4) or saddr_v6/daddr_v6 */
+static __always_inline struct kv_tcp_event *kv_tcp_conn(u8 type, const void *skaddr, u8 state, u16 sport,
+                                                        u16 dport, u16 family, const void *s4, const void *d4,
+                                                        const void *s6, const void *d6)
 {
-    u16 sport = args->sport, dport = args->dport;
     if (!kv_tcp_port(sport, dport))
-        return 0;
-    struct kv_tcp_event *e = kv_tcp_new(KV_TCP_RETRANS);
+        return NULL;
+    struct kv_tcp_event *e = kv_tcp_new(type);
     if (!e)
-        return 0;
-    e->skaddr = (u64)args->skaddr;
-    e->state = args->state;
+        return NULL;
+    e->skaddr = (u64)skaddr;
+    e->state = state;
     e->sport = sport;
     e->dport = dport;
+    e->family = family;
+    if (family == 10) {
+        bpf_probe_read_kernel(e->saddr, 16, s6);
+        bpf_probe_read_kernel(e->daddr, 16, d6);
+    } else {
+        bpf_probe_read_kernel(e->saddr, 4, s4);
+        bpf_probe_read_kernel(e->daddr, 4, d4);
+    }
+    return e;
+}
+
+#ifdef KV_TCP_HAVE_RETRANS
 #ifdef KV_TCP_RETRANS_FAMILY
-    e->family = args->family;
+#define KV_RETRANS_FAMILY args->family
 #else
-    e->family = 2;
+#define KV_RETRANS_FAMILY 2
 #endif
+TRACEPOINT_PROBE(tcp, tcp_retransmit_skb)
+{
+    struct kv_tcp_event *e = kv_tcp_conn(KV_TCP_RETRANS, args->skaddr, args->state, args->sport, args->dport,
+                                         KV_RETRANS_FAMILY, args->saddr, args->daddr, args->saddr_v6, args->daddr_v6);
+    if (!e)
+        return 0;
 #ifdef KV_TCP_RETRANS_ERR
     e->err = args->err;
 #endif
-    if (e->family == 10) {
-        bpf_probe_read_kernel(e->saddr, 16, (void *)args->saddr_v6);
-        bpf_probe_read_kernel(e->daddr, 16, (void *)args->daddr_v6);
-    } else {
-        bpf_probe_read_kernel(e->saddr, 4, (void *)args->saddr);
-        bpf_probe_read_kernel(e->daddr, 4, (void *)args->daddr);
-    }
     kv_submit(e, sizeof(*e));
     return 0;
 }
 #endif
 
 #ifdef KV_TCP_HAVE_SYNACK
+#ifdef KV_TCP_SYNACK_FAMILY
+#define KV_SYNACK_FAMILY args->family
+#else
+#define KV_SYNACK_FAMILY 2
+#endif
 TRACEPOINT_PROBE(tcp, tcp_retransmit_synack)
 {
-    u16 sport = args->sport, dport = args->dport;
-    if (!kv_tcp_port(sport, dport))
-        return 0;
-    struct kv_tcp_event *e = kv_tcp_new(KV_TCP_SYNACK);
-    if (!e)
-        return 0;
-    e->skaddr = (u64)args->skaddr;
-    e->state = KV_TCP_NEW_SYN_RECV;
-    e->sport = sport;
-    e->dport = dport;
-#ifdef KV_TCP_SYNACK_FAMILY
-    e->family = args->family;
-#else
-    e->family = 2;
-#endif
-    if (e->family == 10) {
-        bpf_probe_read_kernel(e->saddr, 16, (void *)args->saddr_v6);
-        bpf_probe_read_kernel(e->daddr, 16, (void *)args->daddr_v6);
-    } else {
-        bpf_probe_read_kernel(e->saddr, 4, (void *)args->saddr);
-        bpf_probe_read_kernel(e->daddr, 4, (void *)args->daddr);
-    }
-    kv_submit(e, sizeof(*e));
+    struct kv_tcp_event *e = kv_tcp_conn(KV_TCP_SYNACK, args->skaddr, KV_TCP_NEW_SYN_RECV, args->sport, args->dport,
+                                         KV_SYNACK_FAMILY, args->saddr, args->daddr, args->saddr_v6, args->daddr_v6);
+    if (e)
+        kv_submit(e, sizeof(*e));
     return 0;
 }
 #endif
@@ -148,25 +147,11 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
 {
     if (args->protocol != 6)   /* IPPROTO_TCP */
         return 0;
-    u16 sport = args->sport, dport = args->dport;
-    if (!kv_tcp_port(sport, dport))
-        return 0;
-    struct kv_tcp_event *e = kv_tcp_new(KV_TCP_STATE);
+    struct kv_tcp_event *e = kv_tcp_conn(KV_TCP_STATE, args->skaddr, args->oldstate, args->sport, args->dport,
+                                         args->family, args->saddr, args->daddr, args->saddr_v6, args->daddr_v6);
     if (!e)
         return 0;
-    e->skaddr = (u64)args->skaddr;
-    e->state = args->oldstate;
     e->newstate = args->newstate;
-    e->sport = sport;
-    e->dport = dport;
-    e->family = args->family;
-    if (e->family == 10) {
-        bpf_probe_read_kernel(e->saddr, 16, (void *)args->saddr_v6);
-        bpf_probe_read_kernel(e->daddr, 16, (void *)args->daddr_v6);
-    } else {
-        bpf_probe_read_kernel(e->saddr, 4, (void *)args->saddr);
-        bpf_probe_read_kernel(e->daddr, 4, (void *)args->daddr);
-    }
     kv_submit(e, sizeof(*e));
     return 0;
 }
