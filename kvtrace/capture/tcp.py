@@ -163,16 +163,13 @@ class Reference:
     def feed(self, event: str, f: dict, ts: int, pid: int = 0, tid: int = 0) -> None:
         if f["sport"] not in self.ports and f["dport"] not in self.ports:
             return
-        if event == "tcp_retransmit_skb":
-            e = self._new(1, ts, pid, tid)
-            e["skaddr"], e["state"], e["sport"], e["dport"] = f["skaddr"], f["state"], f["sport"], f["dport"]
+        if event in ("tcp_retransmit_skb", "tcp_retransmit_synack"):
+            synack = event == "tcp_retransmit_synack"
+            e = self._new(4 if synack else 1, ts, pid, tid)
+            state = STATES.index("NEW_SYN_RECV") if synack else f["state"]
+            e["skaddr"], e["state"], e["sport"], e["dport"] = f["skaddr"], state, f["sport"], f["dport"]
             e["family"] = f.get("family", 2)
             e["err"] = f.get("err", 0)
-            self._addrs(e, int(e["family"][0]), f)
-        elif event == "tcp_retransmit_synack":
-            e = self._new(4, ts, pid, tid)
-            e["skaddr"], e["state"], e["sport"], e["dport"] = f["skaddr"], 12, f["sport"], f["dport"]
-            e["family"] = f.get("family", 2)
             self._addrs(e, int(e["family"][0]), f)
         elif event == "inet_sock_set_state":
             if f["protocol"] != 6:

@@ -41,13 +41,14 @@ def stage(pid: int, base: str = "/tmp", python: tuple[int, int] | None = None) -
     ``python``: the target's (major, minor); the same as ours adds the compiled files."""
     inner = f"{base}/kvtrace-hook-{kvtrace.__version__}-{digest()}"
     here = target_root(pid) / inner.lstrip("/")
+    compile_too = python == tuple(sys.version_info[:2])
     if not (here / "kvtrace" / "hook" / "vllm_hook.py").exists():
         tmp = here.parent / f".{here.name}.{os.getpid()}"
         for rel in HOOK_FILES:
             dst = tmp / "kvtrace" / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(package_dir() / rel, dst)
-        if python == tuple(sys.version_info[:2]):
+        if compile_too:
             _compile(tmp, inner)
         for p in [tmp, *tmp.rglob("*")]:
             p.chmod(0o755 if p.is_dir() else 0o644)
@@ -55,7 +56,7 @@ def stage(pid: int, base: str = "/tmp", python: tuple[int, int] | None = None) -
             tmp.rename(here)
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)  # another agent staged it first
-    elif python == tuple(sys.version_info[:2]) and not _compiled(here):
+    elif compile_too and not _compiled(here):
         _compile(here, inner)   # staged by a kvtrace that did not compile (pyc writes are atomic)
     return inner, here
 

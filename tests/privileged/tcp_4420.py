@@ -1,6 +1,6 @@
 """A TCP connection to port 4420 between two network namespaces, accepted late (TCP_DEFER_ACCEPT:
-the listener sends its SYN-ACK again) and with an outage that forces retransmissions; reports what the kernel itself counted (Tcp RetransSegs of both
-namespaces) and what was sent.  Run by test_fabric.py under `kvtrace attach`.
+the listener sends its SYN-ACK again) and with an outage that forces retransmissions; reports
+what the kernel itself counted (Tcp RetransSegs of both namespaces) and what was sent.  Run by test_fabric.py under `kvtrace attach`.
 
     python tcp_4420.py --ns-a A --ns-b B --addr 10.99.0.2 --result out.json
 """
