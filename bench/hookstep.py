@@ -6,7 +6,9 @@ shared-prefix requests to completion, with a model-runner stand-in that samples 
 request and step.  The same stream is run with the hook not installed ("none"), installed
 with no agent ("detached") and installed with a live agent ("attached"; the records go out as
 marker writes, caught by the agent's BPF program when this runs under `kvtrace attach`),
-interleaved round by round.  The cost per step is the difference of the per-step times.
+interleaved round by round.  The cost per step is the difference of the per-step times.  The
+stand-in's steps are short, so "attached" sends almost no frame; "attached_write_each_step"
+sends one per step, and the difference is the cost of one marker write (`write_cost_us`).
 
     <vllm python> bench/hookstep.py --rounds 5 --json out.json      (under kvtrace attach)
 
@@ -134,10 +136,15 @@ def main() -> int:
             return
         if not hook.status()["installed"]:
             assert hook.install(roles=["engine"]), hook.status()
-        hook.T.flag_path = live_flag if name == "attached" else nowhere
+        hook.T.flag_path = live_flag if name.startswith("attached") else nowhere
         hook.T.next_check = 0                 # re-read the flag at the next step
+        # this stand-in's steps take ~0.2 ms, so at the hook's own interval it sends a frame only
+        # at the end of a stream; "attached_write_each_step" sends one every step (a real
+        # server's ~20 ms steps send one per few): the difference is the cost of a send
+        hook.FLUSH_EVERY_NS = 0 if name == "attached_write_each_step" else flush_every
 
-    modes = ["none", "detached"] + (["attached"] if attached_possible else [])
+    flush_every = hook.FLUSH_EVERY_NS
+    modes = ["none", "detached"] + (["attached", "attached_write_each_step"] if attached_possible else [])
     run_stream(new_scheduler, hasher, a.requests, a.concurrency)   # warm-up
     per_step = {m: [] for m in modes}
     fastest = {m: None for m in modes}   # per step: its fastest time over the rounds
@@ -171,6 +178,11 @@ def main() -> int:
                                  for m in modes if m != "none"},
         "records_emitted": emitted, "attached_measured": attached_possible,
     }
+    if attached_possible:   # one marker write, from the per-round differences of the two attached modes
+        writes = sorted(x - y for x, y in zip(per_step["attached_write_each_step"], per_step["attached"]))
+        result["write_cost_us"] = round(statistics.median(writes), 2)
+        result["write_cost_fastest_us"] = round(result["hook_cost_fastest_us"]["attached_write_each_step"]
+                                                - result["hook_cost_fastest_us"]["attached"], 2)
     text = json.dumps(result, indent=1)
     if a.json:
         with open(a.json, "w") as f:

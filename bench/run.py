@@ -83,6 +83,8 @@ def overhead_markdown(o: dict) -> list[str]:
         f"- hook cost per engine step (a real vLLM Scheduler, {h['steps_per_stream']['none']} steps per stream, "
         f"{h['rounds']} rounds, median of per-round differences; step without hook {h['median_step_us']['none']} µs): "
         + "; ".join(f"{m} {c} µs (quartiles {q[m][0]}..{q[m][2]})" for m, c in h["hook_cost_us"].items())
+        + (f"; one marker write {h['write_cost_us']} µs (sent every step against at the hook's interval)"
+           if "write_cost_us" in h else "")
         + f"; {h['steps_recorded']:,} step records captured while attached",
     ]
     return out
@@ -105,7 +107,8 @@ def ab_markdown(v: dict, layout: str) -> list[str]:
         "user and system by process: " + ", ".join(f"{g} {c[g]['mean']:.3f}" for g in ("api", "engine", "workers") if g in c),
         *([f"  - accounted (one more B phase, outside the ratios): kvtrace's BPF programs took {acc['bpf_cpu_ms']:,} ms "
            f"of CPU (on every process's events), {acc['bpf_pct_of_server_cpu']:.2f}% of the server's {acc['server_cpu_s']} s; the hook "
-           + (f"{acc['hook_pct_of_server_cpu']:.2f}% ({acc['steps_recorded']:,} steps at its cost per step)"
+           + (f"{acc['hook_pct_of_server_cpu']:.2f}% ({acc['steps_recorded']:,} steps at its cost per step, "
+                 f"{acc.get('hook_frames', 0):,} marker writes)"
               if "hook_pct_of_server_cpu" in acc else "not estimated")
            + (f"; the system-call slow path {acc['slow_path_pct_of_server_cpu']:.2f}% ({acc['server_syscalls_per_s']:,} server "
               f"system calls a second, {acc['slow_path_ns']} ns more each)" if "slow_path_ns" in acc else "")

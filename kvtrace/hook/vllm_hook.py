@@ -6,7 +6,7 @@ Runs in vLLM's own interpreter: standard library plus what vLLM itself imports. 
 live-injection step, which only has to call ``install()``.
 
 EngineCore (role "engine"):
-  Scheduler.schedule / update_from_output   step span, chunk and admit records, flush
+  Scheduler.schedule / update_from_output   step span, chunk and admit records, flush (batched)
   Scheduler._preempt_request                 preempt
   KVCacheManager.allocate_slots              hit sizes at admission; which request allocates
   BlockPool._maybe_evict_cached_block        evicts (a batch per allocation, one hash per BlockRemoved)
@@ -41,9 +41,15 @@ except ImportError:  # imported from a path where kvtrace is not installed: use 
     finally:
         sys.path.remove(_root)
 
-HOOK_VERSION = "2"  # 2: evictions batched (wire record 13)
+HOOK_VERSION = "3"  # 2: evictions batched (wire record 13); 3: engine records sent every 100 ms
 TESTED_VLLM = ("0.32.",)
-MAX_QUEUE = 20000          # records waiting for the step-end flush
+MAX_QUEUE = 20000          # records waiting for their flush
+# Engine records are sent at a step end once FLUSH_EVERY_NS have passed since the last send, once
+# FLUSH_RECORDS are queued, or when the scheduler has no request left (the engine then waits for
+# new ones, and the records must not wait with it).  A send is a system call, the hook's dearest
+# operation, so a fast engine sends a frame for several steps; records carry their own times.
+FLUSH_EVERY_NS = 100_000_000
+FLUSH_RECORDS = 256
 MAX_TRACKED = 65536        # per-request state entries (chunk counters, admission info)
 STATS_EVERY_NS = 1_000_000_000
 API_FLUSH_AFTER_NS = 200_000_000  # kv_transfer() flushes itself when no step end did for this long
@@ -74,7 +80,7 @@ class _Engine:
         self.step = 0
         self.cur_req = ""
         self.last_alloc = ""                  # the request of the latest allocate_slots (preemptions)
-        self.reqs: dict[str, list] = {}      # request id -> [next chunk index, prefill_len, attempt]
+        self.reqs: dict[str, list] = {}      # request id -> [next chunk index, prefill_len, attempt] or _DECODING
         self.alloc: dict[str, tuple] = {}    # request id -> (local, external, hit blocks, last hash)
         self.steps: dict[int, tuple] = {}    # id(SchedulerOutput) -> step summary
         self.evicted = 0
@@ -352,6 +358,9 @@ def _wrap_schedule(orig):
     return schedule
 
 
+_DECODING = [-1, -1, 0]  # S.reqs' entry of a request past its prefill (until preempted or finished)
+
+
 def _after_schedule(sched, so, t0: int, t1: int) -> None:
     step = S.step = sched.current_step
     requests = sched.requests
@@ -360,12 +369,14 @@ def _after_schedule(sched, so, t0: int, t1: int) -> None:
     tracked, alloc = S.reqs, S.alloc
     prefill_reqs = prefill_tokens = n_new = n_resumed = 0
     for rid, n in so.num_scheduled_tokens.items():
+        st = tracked.get(rid)
+        if st is _DECODING and rid not in resumed_ids:
+            continue    # most of a step: requests past their prefill
         req = requests.get(rid)
         if req is None:
             continue
         end = req.num_computed_tokens
         start = end - n
-        st = tracked.get(rid)
         if rid in new_ids or rid in resumed_ids:
             attempt = min(req.num_preemptions, 0xFFFF)
             resumed = 1 if (rid in resumed_ids or attempt > 0) else 0
@@ -392,6 +403,8 @@ def _after_schedule(sched, so, t0: int, t1: int) -> None:
                       1 if end >= prefill_len else 0, 1 if st[2] > 0 else 0))
             prefill_reqs += 1
             prefill_tokens += n
+        if end >= prefill_len:
+            tracked[rid] = _DECODING
     for rid in so.finished_req_ids:
         _enqueue(("finish", step, t0, rid))
         tracked.pop(rid, None)
@@ -450,12 +463,21 @@ def _wrap_update_from_output(orig):
                 now = time.monotonic_ns()
                 if info is not None:
                     _enqueue(("step", info[0], info[1], info[2], now) + info[3:])
-                _flush(now)
+                if now - _last["flush"] >= FLUSH_EVERY_NS or len(_Q) >= FLUSH_RECORDS or _idle(self):
+                    _flush(now)
             except Exception as e:
                 T.error(e)
         return out
 
     return update_from_output
+
+
+def _idle(sched) -> bool:
+    """True when no request is left for another step (or vLLM cannot say)."""
+    try:
+        return not sched.has_unfinished_requests()
+    except Exception:
+        return True
 
 
 def _wrap_preempt(orig):

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from kvtrace.hook.transport import FLAG_PATH
-from kvtrace.hook.vllm_hook import HOOK_VERSION
+from kvtrace.hook.vllm_hook import FLUSH_EVERY_NS, HOOK_VERSION
 from kvtrace.hook.wire import RECORDS
 from kvtrace.vllm.server import vllm_python
 
@@ -222,6 +222,19 @@ def test_records_match_vllm(hooked_server, tmp_path):
         for key in ("prefill_reqs", "prefill_tokens", "new_reqs", "resumed_reqs", "evicted", "preempted"):
             assert s[key] == got[key], (key, s, dict(got))
     assert set(by_step) <= set(ids)
+
+    # -- sends: the hook writes its records at a step end once FLUSH_EVERY_NS have passed since
+    # its last write (or when the engine runs out of requests): never later, and for several
+    # steps at once.  A step ended a send when its record was written before the next step ended.
+    ends = {s["step"] for s, nxt in zip(steps, steps[1:] + [None]) if nxt is None or s["mark_ns"] < nxt["t_end_ns"]}
+    assert len(ends) * 2 < len(steps), f"{len(ends)} writes for {len(steps)} steps: records are not batched"
+    last_send, held = None, []
+    for s in steps:
+        if last_send is not None and s["t_end_ns"] - last_send >= FLUSH_EVERY_NS and s["step"] not in ends:
+            held.append(s["step"])
+        if s["step"] in ends:
+            last_send = s["t_end_ns"]
+    assert not held, f"steps {held[:5]} ended {FLUSH_EVERY_NS} ns after the last write and were not sent"
 
     # -- chunks tile each admission's prompt; the first starts at the admission's hit ----------
     admit_of = {(a["request"], a["attempt"]): a for a in admits}
