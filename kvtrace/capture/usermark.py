@@ -54,14 +54,18 @@ def _malformed(ctx: DecodeContext | None) -> None:
 
 
 def records(raw: list[bytes], ctx: DecodeContext | None = None) -> dict[str, list[dict]]:
-    """Every record of every frame, by record name, with the marker's ts/pid/tid added.  A
-    frame the probe could not copy (empty) or that is not one is counted on ``ctx``."""
+    """Every record of every frame, by record name, with the marker's ts/pid/tid added (the tid
+    a `thread` record names, for the records after it).  A frame the probe could not copy
+    (empty) or that is not one is counted on ``ctx``."""
     out: dict[str, list[dict]] = {}
     for ts, pid, tid, frame in frames(raw, ctx):
         if ctx is not None and not frame.startswith(MAGIC):
             ctx.bad_frames += 1
             continue
         for name, rec in CODEC.decode_frame(frame):
+            if name == "thread":    # made on another thread than the one that wrote the frame
+                tid = rec["tid"]
+                continue
             if name == "evicts":   # a batch: one evict row per hash
                 rows = out.setdefault("evict", [])
                 for row in evict_rows(rec):

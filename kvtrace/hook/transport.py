@@ -132,19 +132,21 @@ class Transport:
         self.errors += 1
         self.last_error = f"{type(e).__name__}: {e}"[:200]
 
-    def flush(self, recs: list[bytes] | None = None) -> None:
+    def flush(self, recs: list[bytes] | None = None, lead: bytes = b"") -> None:
         """Send the encoded records ``recs`` (the caller counted them), then what emit()
-        buffered, as frames of at most MAX_FRAME bytes: usually one write."""
+        buffered, as frames of at most MAX_FRAME bytes: usually one write.  ``lead`` (an
+        encoded record) heads every frame."""
         if self.buf:
             recs = recs + self.buf if recs else self.buf
             self.buf, self.size = [], 0
         if not recs:
             return
-        head = len(MAGIC)
+        start = MAGIC + lead
+        head = len(start)
         if head + sum(map(len, recs)) <= MAX_FRAME:
-            frames = [MAGIC + b"".join(recs)]
+            frames = [start + b"".join(recs)]
         else:
-            frames, part, size = [], [MAGIC], head
+            frames, part, size = [], [start], head
             for rec in recs:
                 n = len(rec)
                 if size + n > MAX_FRAME:
@@ -152,7 +154,7 @@ class Transport:
                         self.dropped += 1
                         continue
                     frames.append(b"".join(part))
-                    part, size = [MAGIC], head
+                    part, size = [start], head
                 part.append(rec)
                 size += n
             if size > head:

@@ -41,7 +41,7 @@ except ImportError:  # imported from a path where kvtrace is not installed: use 
     finally:
         sys.path.remove(_root)
 
-HOOK_VERSION = "3"  # 2: evictions batched (wire record 13); 3: engine records sent every 100 ms
+HOOK_VERSION = "3"  # 2: evictions batched (wire record 13); 3: records sent every 100 ms (record 14)
 TESTED_VLLM = ("0.32.",)
 MAX_QUEUE = 20000          # records waiting for their flush
 # Engine records are sent at a step end once FLUSH_EVERY_NS have passed since the last send, once
@@ -50,6 +50,8 @@ MAX_QUEUE = 20000          # records waiting for their flush
 # operation, so a fast engine sends a frame for several steps; records carry their own times.
 FLUSH_EVERY_NS = 100_000_000
 FLUSH_RECORDS = 256
+# The Worker sends at a step end once FLUSH_EVERY_NS have passed; otherwise a sleeping thread
+# sends FLUSH_EVERY_NS later, naming the Worker's thread in the frame (_Later).
 MAX_TRACKED = 65536        # per-request state entries (chunk counters, admission info)
 STATS_EVERY_NS = 1_000_000_000
 API_FLUSH_AFTER_NS = 200_000_000  # kv_transfer() flushes itself when no step end did for this long
@@ -127,9 +129,10 @@ def _enqueue(rec: tuple) -> None:
 _ENCODERS = CODEC.encoders  # record name -> encoder taking the queued tuple (name first)
 
 
-def _flush(now: int) -> None:
+def _flush(now: int, made_on: int = 0) -> None:
     """Encode queued records and send them (step end; any thread): one encoder call per
-    record, usually one marker write per flush."""
+    record, usually one marker write per flush.  ``made_on``: the native id of the thread the
+    records were made on, when another thread sends them (a `thread` record heads each frame)."""
     with _LOCK:
         if not T.enabled:
             _Q.clear()
@@ -155,7 +158,7 @@ def _flush(now: int) -> None:
         if now - _last["stats"] >= STATS_EVERY_NS:
             _last["stats"] = now
             _emit_stats(now)
-        T.flush(recs)
+        T.flush(recs, CODEC.encode("thread", made_on) if made_on else b"")
         _last["flush"] = now
 
 
@@ -686,7 +689,45 @@ def _worker_step_end(t_save0: int, t_save1: int) -> None:
     elif W.waits:
         _enqueue(("kv_load", W.t_bind, W.last_wait_end, W.t_bind, W.seq, W.waits, W.wait_ns, 0, 0, "", W.source))
     _enqueue(("kv_store", t_save0, t_save1, t_save1, W.seq, 0, 0, 0, 0, "", W.source))
-    _flush(t_save1)
+    if t_save1 - _last["flush"] >= FLUSH_EVERY_NS:
+        _flush(t_save1)
+    else:
+        _LATER.arm(threading.get_native_id())
+
+
+class _Later:
+    """Sends the Worker's records FLUSH_EVERY_NS after they were queued, from a daemon thread
+    that sleeps otherwise: a Worker cannot tell whether another step will come to send them.
+    Its frames name the Worker's thread, whose id joins a kv_load or kv_store to that thread's
+    file I/O.  Arming costs an Event.set() once per interval; the thread starts on first use in
+    each process (threads do not survive a fork)."""
+
+    def __init__(self):
+        self.pid = 0
+        self.tid = 0
+        self.ev = threading.Event()
+
+    def arm(self, tid: int) -> None:
+        self.tid = tid
+        if self.pid != os.getpid():
+            self.pid = os.getpid()
+            self.ev = threading.Event()
+            threading.Thread(target=self._run, args=(self.ev,), name="kvtrace-hook-send", daemon=True).start()
+        if not self.ev.is_set():
+            self.ev.set()
+
+    def _run(self, ev: threading.Event) -> None:
+        while True:
+            ev.wait()
+            time.sleep(FLUSH_EVERY_NS / 1e9)
+            ev.clear()
+            try:
+                _flush(time.monotonic_ns(), self.tid)
+            except Exception as e:  # never into vLLM, never out of the loop
+                T.error(e)
+
+
+_LATER = _Later()
 
 
 def _wrap_create_connector(orig_func):

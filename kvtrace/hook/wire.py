@@ -79,6 +79,10 @@ RECORDS: dict[int, tuple[str, list[tuple[str, str]]]] = {
     # group << 32 | block_id.  The agent stores them as `evict` rows (evict_rows), one per hash,
     # all with this record's t_ns (the first eviction of the batch).
     13: ("evicts", [("step", "Q"), ("t_ns", "Q"), ("medium", "s"), ("request", "s"), ("blocks", "U")]),
+    # First in a frame the hook's sender thread writes for the Worker: the records after it in
+    # the frame were made on thread `tid` (the marker's own tid is the sender's).  Not stored:
+    # the agent puts `tid` in those records' tid column.  Older agents skip it (unknown type).
+    14: ("thread", [("tid", "I")]),
 }
 
 EVICTS_MAX = 200  # evictions per `evicts` record (3,200 bytes of blocks: one record fits a frame)

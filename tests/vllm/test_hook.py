@@ -320,7 +320,7 @@ def test_records_match_vllm(hooked_server, tmp_path):
 # Install/uninstall and the worker side, in vLLM's interpreter (no root, no server)
 
 SELFTEST = textwrap.dedent(r'''
-    import importlib.util, json, logging, os, sys, tempfile, time
+    import importlib.util, json, logging, os, sys, tempfile, threading, time
     records = logging.getLogger("vllm.kvtrace_hook")
     messages = []
     class H(logging.Handler):
@@ -416,7 +416,13 @@ SELFTEST = textwrap.dedent(r'''
     with open(flag, "w") as f: f.write(f"{os.getpid()}\n")
     h.T.next_check = 0
     t0 = time.monotonic_ns()
-    step(); step(layers=0)
+    h._last["flush"] = 0
+    step(); first = drain()                   # the first send after an attach goes at once
+    step(layers=0); held = drain()            # a step within 100 ms of it is held...
+    time.sleep(3 * h.FLUSH_EVERY_NS / 1e9); later = drain()   # ...and sent by the hook's thread,
+    out["sends"] = [len(first) > 0, len(held), len(later) > 0]
+    out["later_head"] = CODEC.decode_frame(later)[:1]          # naming the thread that made them
+    out["my_tid"] = threading.get_native_id()
     api.kv_transfer("load", "req-7", [5, 6, 7], 3 * 65536, t0, t0 + 1000, source="fileconnector")
     api.kv_transfer("bogus", "x", None, "n", 0, 0)
     c.fail = True
@@ -426,7 +432,7 @@ SELFTEST = textwrap.dedent(r'''
         out["own_error"] = str(e)
     c.fail = False
     h._flush(time.monotonic_ns())
-    data = drain()
+    data = first + later + drain()
     recs, pos = [], 0
     import struct
     while pos < len(data):
@@ -476,6 +482,8 @@ def test_install_idempotent_and_uninstall_restores(selftest):
 
 def test_worker_connector_and_api_records(selftest):
     assert selftest["idle_bytes"] == 0, "records were sent with no agent"
+    assert selftest["sends"] == [True, 0, True], "worker steps are not sent at most every FLUSH_EVERY_NS"
+    assert selftest["later_head"] == [["thread", {"tid": selftest["my_tid"]}]]
     recs = selftest["records"]
     kinds = collections.Counter(n for n, _ in recs)
     assert kinds["hook_start"] == 1 and [r for n, r in recs if n == "hook_start"][0]["role"] == "worker"

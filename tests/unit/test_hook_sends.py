@@ -1,0 +1,47 @@
+"""Frames another thread sends for the Worker name the thread that made their records: a
+`thread` record heads every frame, and the agent puts its tid in the records after it."""
+from __future__ import annotations
+
+import struct
+
+from kvtrace.capture import events, usermark
+from kvtrace.capture.events import DecodeContext
+from kvtrace.hook import transport
+from kvtrace.hook.wire import CODEC, MAGIC, MAX_FRAME
+
+MARKER_TID = 43   # the sender thread, as the BPF program sees it
+WORKER_TID = 7001
+
+
+def as_marker(frame: bytes, ts: int) -> bytes:
+    head = usermark.HDR.pack(events.KIND_USER, 1, 32 + len(frame), 0, ts, 42, MARKER_TID)
+    return head + struct.pack("<II", len(frame), 0) + frame
+
+
+def kv_store(seq: int) -> bytes:
+    return CODEC.encode("kv_store", 1000 + seq, 2000 + seq, 2000 + seq, seq, 0, 0, 0, 0, "", "connector:X")
+
+
+def sent(monkeypatch, recs: list[bytes], lead: bytes) -> list[bytes]:
+    writes = []
+    monkeypatch.setattr(transport.os, "write", lambda fd, b: writes.append(bytes(b)) or len(b))
+    transport.Transport().flush(recs, lead)
+    return writes
+
+
+def test_every_frame_is_headed_by_the_thread_and_its_records_carry_it(monkeypatch):
+    recs = [kv_store(i) for i in range(120)]             # about 9 KB: three frames
+    frames = sent(monkeypatch, recs, CODEC.encode("thread", WORKER_TID))
+    assert len(frames) == 3 and all(len(f) <= MAX_FRAME for f in frames)
+    assert all(CODEC.decode_frame(f)[0] == ("thread", {"tid": WORKER_TID}) for f in frames)
+    rows = usermark.records([as_marker(f, 10 + i) for i, f in enumerate(frames)], DecodeContext())
+    assert set(rows) == {"kv_store"}                     # the thread record is not stored
+    assert [r["seq"] for r in rows["kv_store"]] == list(range(120))
+    assert {r["tid"] for r in rows["kv_store"]} == {WORKER_TID}
+
+
+def test_a_frame_without_it_keeps_the_writers_tid(monkeypatch):
+    (frame,) = sent(monkeypatch, [kv_store(1)], b"")
+    assert frame.startswith(MAGIC)
+    rows = usermark.records([as_marker(frame, 5)], DecodeContext())
+    assert [r["tid"] for r in rows["kv_store"]] == [MARKER_TID]
