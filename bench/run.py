@@ -83,7 +83,7 @@ def overhead_markdown(o: dict) -> list[str]:
         f"- hook cost per engine step (a real vLLM Scheduler, {h['steps_per_stream']['none']} steps per stream, "
         f"{h['rounds']} rounds, median of per-round differences; step without hook {h['median_step_us']['none']} µs): "
         + "; ".join(f"{m} {c} µs (quartiles {q[m][0]}..{q[m][2]})" for m, c in h["hook_cost_us"].items())
-        + (f"; one marker write {h['write_cost_us']} µs (sent every step against at the hook's interval)"
+        + (f"; one marker write {h['write_cost_us']} µs (one send per step against one per interval)"
            if "write_cost_us" in h else "")
         + f"; {h['steps_recorded']:,} step records captured while attached",
     ]

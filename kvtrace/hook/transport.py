@@ -3,8 +3,8 @@
 The agent's BPF program (probes/usermark.bpf.c) catches ``write(MARK_FD, frame)`` at
 syscalls:sys_enter_write in the traced processes and copies the frame into the same ring
 buffer as the kernel events; the call itself fails with EBADF and costs ~1 µs.  Records
-carry their own CLOCK_MONOTONIC times, so one frame can carry several engine steps (the
-hook sends one every 100 ms while the engine steps, and at once when it runs out of requests).
+carry their own CLOCK_MONOTONIC times, so one frame can carry several steps (each process
+sends one every 100 ms while it steps; the engine also at once when it runs out of requests).
 
 While no agent is attached (no live agent pid in the flag directory) the hook buffers nothing:
 ``enabled`` is re-checked at most once per second, so an idle hook costs one function call
