@@ -40,7 +40,7 @@ import threading
 import time
 from pathlib import Path
 
-from vllmbench import Agent, free_port, kvtrace_importable_env, one_round, requests, spread  # noqa: E402
+from vllmbench import CONCURRENCY, Agent, free_port, kvtrace_importable_env, one_round, requests, spread  # noqa: E402
 
 from kvtrace import phases  # noqa: E402
 from kvtrace.hook.vllm_hook import HOOK_VERSION  # noqa: E402
@@ -276,7 +276,7 @@ def restart(server: VllmServer) -> VllmServer:
 def throughput(servers: dict[str, VllmServer], work: Path, short: bool, failures: list) -> dict:
     """servers: {"I": without plugin, "P": with plugin}; replaced in place when restarted."""
     pairs = 1 if short else 4
-    concurrency = 4
+    concurrency = CONCURRENCY
     reqs = requests(short)
     for server in servers.values():
         one_round(server, reqs, concurrency)     # warm-up

@@ -1,18 +1,19 @@
 """The hook's cost per engine step, measured in vLLM's own interpreter (run by bench/overhead.py).
 
 A real vLLM Scheduler (v1, chunked prefill at 256 tokens, prefix caching, 122 blocks of 32
-tokens: the configuration of the benchmark server) is driven through a fixed stream of
-shared-prefix requests to completion, with a model-runner stand-in that samples one token per
-request and step.  The same stream is run with the hook not installed ("none"), installed
+tokens: the configuration of the benchmark server) is driven through bench/overhead.py's own
+round (bench/stream.py: the same prompts, output lengths and concurrency, so the steps measured
+here are the kind the hook is charged for there) to completion, with a model-runner stand-in
+that samples one token per request and step.  The same stream is run with the hook not installed ("none"), installed
 with no agent ("detached") and installed with a live agent ("attached"; the records go out as
 marker writes, caught by the agent's BPF program when this runs under `kvtrace attach`),
 interleaved round by round.  The cost per step is the difference of the per-step times.  The
 stand-in's steps are short, so "attached" sends almost no frame; "attached_write_each_step"
 sends one per step, and the difference is the cost of one marker write (`write_cost_us`).
 
-    <vllm python> bench/hookstep.py --rounds 5 --json out.json      (under kvtrace attach)
+    <vllm python> bench/hookstep.py [--short] --rounds 5 --json out.json      (under kvtrace attach)
 
-Standard library and vLLM only (kvtrace's hook is imported from the repository by path).
+Standard library and vLLM only (kvtrace's hook and workload are imported from the repository by path).
 """
 from __future__ import annotations
 
@@ -63,29 +64,27 @@ def make_scheduler_factory():
     return new, hasher
 
 
-def make_requests(hasher, n: int, seed: int = 0):
+def make_requests(hasher, short: bool):
+    """bench/overhead.py's round (bench/stream.py) as vLLM Requests: the same prompts, the
+    same output lengths, in the same order."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
-    rng = random.Random(seed)
-    prefixes = [[rng.randrange(100, 31000) for _ in range(320)] for _ in range(4)]
-    out = []
-    for i in range(n):
-        prompt = prefixes[i % 4] + [rng.randrange(100, 31000) for _ in range(rng.randrange(100, 700))]
-        out.append(Request(request_id=f"r{i}", prompt_token_ids=prompt,
-                           sampling_params=SamplingParams(max_tokens=16, ignore_eos=True, temperature=0),
-                           pooling_params=None, block_hasher=hasher))
-    return out
+    from stream import requests
+
+    return [Request(request_id=r.rid, prompt_token_ids=list(r.prompt),
+                    sampling_params=SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=0),
+                    pooling_params=None, block_hasher=hasher) for r in requests(short)]
 
 
-def run_stream(new_scheduler, hasher, n: int, concurrency: int, times: list | None = None) -> tuple[int, float]:
-    """All n requests through a fresh scheduler; (steps, seconds spent in schedule + update).
+def run_stream(new_scheduler, hasher, short: bool, concurrency: int, times: list | None = None) -> tuple[int, float]:
+    """The benchmark's round through a fresh scheduler; (steps, seconds spent in schedule + update).
     ``times`` gets each step's seconds (the stream is deterministic: step i is the same work
     in every round and mode)."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     sched = new_scheduler()
-    pending = make_requests(hasher, n)
+    pending = make_requests(hasher, short)
     steps, spent = 0, 0.0
     rng = random.Random(1)
     perf = time.perf_counter
@@ -115,14 +114,14 @@ def run_stream(new_scheduler, hasher, n: int, concurrency: int, times: list | No
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--requests", type=int, default=48)
-    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--short", action="store_true", help="the short round of bench/overhead.py --short")
     ap.add_argument("--json")
     a = ap.parse_args()
     import logging
 
     logging.disable(logging.WARNING)
     sys.path.insert(0, REPO)
+    from stream import CONCURRENCY
     from kvtrace.hook import transport, vllm_hook as hook
 
     new_scheduler, hasher = make_scheduler_factory()
@@ -145,7 +144,7 @@ def main() -> int:
 
     flush_every = hook.FLUSH_EVERY_NS
     modes = ["none", "detached"] + (["attached", "attached_write_each_step"] if attached_possible else [])
-    run_stream(new_scheduler, hasher, a.requests, a.concurrency)   # warm-up
+    run_stream(new_scheduler, hasher, a.short, CONCURRENCY)   # warm-up
     per_step = {m: [] for m in modes}
     fastest = {m: None for m in modes}   # per step: its fastest time over the rounds
     steps_seen = {}
@@ -153,7 +152,7 @@ def main() -> int:
         for m in modes:
             mode(m)
             times = []
-            steps, spent = run_stream(new_scheduler, hasher, a.requests, a.concurrency, times)
+            steps, spent = run_stream(new_scheduler, hasher, a.short, CONCURRENCY, times)
             per_step[m].append(spent / steps * 1e6)
             steps_seen[m] = steps
             f = fastest[m]
@@ -164,7 +163,7 @@ def main() -> int:
     # the cost: per round, this mode's time per step minus the hook-free one's of the same round
     diffs = {m: sorted(x - y for x, y in zip(per_step[m], per_step["none"])) for m in modes if m != "none"}
     result = {
-        "steps_per_stream": steps_seen, "rounds": a.rounds, "requests": a.requests,
+        "steps_per_stream": steps_seen, "rounds": a.rounds, "short": a.short,
         "per_step_us": {m: [round(x, 2) for x in v] for m, v in per_step.items()},
         "median_step_us": {m: round(v, 2) for m, v in med.items()},
         "hook_cost_us": {m: round(statistics.median(d), 2) for m, d in diffs.items()},

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import psutil
 
-from vllmbench import PY, ROOT, Agent, free_port, kvtrace_importable_env, one_round, requests, spread  # noqa: E402
+from vllmbench import CONCURRENCY, PY, ROOT, Agent, free_port, kvtrace_importable_env, one_round, requests, spread  # noqa: E402
 
 from kvtrace.vllm.server import VllmServer, demo_args, vllm_python  # noqa: E402
 
@@ -219,7 +219,7 @@ def vllm_ab(short: bool, pin: bool = False) -> dict:
     are not shared with the agent."""
     pairs = 1 if short else 5
     per_phase = 1 if short else 3   # rounds per A or B phase: the steady state outweighs the attach
-    concurrency = 4
+    concurrency = CONCURRENCY
     reqs = requests(short)
     work = Path(tempfile.mkdtemp(prefix="kvtrace-bench-overhead-"))
     receiver = None
@@ -319,7 +319,8 @@ def hook_cost(short: bool) -> dict:
         res = os.path.join(d, "hook.json")
         rounds = "3" if short else "15"
         p = subprocess.run([PY, "-m", "kvtrace", "attach", "--quiet", "--out", os.path.join(d, "ds"), "--",
-                            vllm_python(), str(ROOT / "bench" / "hookstep.py"), "--rounds", rounds, "--json", res],
+                            vllm_python(), str(ROOT / "bench" / "hookstep.py"), "--rounds", rounds, "--json", res]
+                           + (["--short"] if short else []),
                            capture_output=True, text=True, timeout=1800)
         if p.returncode != 0 or not os.path.exists(res):
             raise RuntimeError(f"hookstep failed ({p.returncode}): {p.stderr[-2000:]}")

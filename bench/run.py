@@ -80,7 +80,8 @@ def overhead_markdown(o: dict) -> list[str]:
             out += ab_markdown(o[key], layout)
     q = h["hook_cost_quartiles_us"]
     out += [
-        f"- hook cost per engine step (a real vLLM Scheduler, {h['steps_per_stream']['none']} steps per stream, "
+        f"- hook cost per engine step (a real vLLM Scheduler driven through the same round, "
+        f"{h['steps_per_stream']['none']} steps per stream, "
         f"{h['rounds']} rounds, median of per-round differences; step without hook {h['median_step_us']['none']} µs): "
         + "; ".join(f"{m} {c} µs (quartiles {q[m][0]}..{q[m][2]})" for m, c in h["hook_cost_us"].items())
         + (f"; one marker write {h['write_cost_us']} µs (one send per step against one per interval)"

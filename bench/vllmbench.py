@@ -22,6 +22,7 @@ if str(ROOT) not in sys.path:
 
 from kvtrace.vllm import workload  # noqa: E402
 from kvtrace.vllm.server import VllmServer  # noqa: E402
+from stream import CONCURRENCY, requests  # noqa: E402,F401  (the benchmarks' request stream)
 
 PY = sys.executable
 PORTS = range(8600, 8700)
@@ -57,15 +58,6 @@ def one_round(server: VllmServer, reqs, concurrency: int) -> dict:
     ttft = sorted(r.ttft_s for r in results if r.t_first_ns)
     return {"wall_s": round(wall, 3), "tokens": tokens, "tokens_per_s": tokens / wall, "ttft_p50_s": statistics.median(ttft),
             "errors": len(errors), "cached_tokens": sum(r.cached_tokens for r in results)}
-
-
-def requests(short: bool) -> list[workload.Request]:
-    """The shared-prefix round of the A/B benchmarks (chunked prefill, prefix hits, evictions)."""
-    if short:
-        return workload.shared_prefix(seed=5, groups=2, per_group=3, prefix_len=512, suffix_len=256, fillers=1,
-                                      filler_len=800, max_tokens=48)
-    return workload.shared_prefix(seed=5, groups=4, per_group=4, prefix_len=512, suffix_len=384, fillers=2,
-                                  filler_len=1000, max_tokens=64)
 
 
 def spread(xs: list[float]) -> dict:

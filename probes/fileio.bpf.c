@@ -44,13 +44,15 @@ BPF_TABLE("lru_hash", u32, struct kv_sys_start, sys_start, KV_MAX_INFLIGHT);
 static __always_inline int kv_sys_enter(u32 sys, s64 fd, u64 count, s64 pos)
 {
     u64 id = bpf_get_current_pid_tgid();
-    if (!kv_is_target(id >> 32))
-        return 0;
 #ifdef KV_FD_SKIP
+    /* before the target test: most reads and writes of a serving process are of sockets and
+     * eventfds, and only a traced process's numbers are ever put here */
     struct kv_fd_key fk = kv_fd_key(id >> 32, fd);
     if (fd_skip.lookup(&fk))
         return 0;   /* not a file (see kvtrace.h) */
 #endif
+    if (!kv_is_target(id >> 32))
+        return 0;
     u32 tid = (u32)id;
     struct kv_sys_start s = {};
     s.ts = bpf_ktime_get_ns();

@@ -332,7 +332,8 @@ def _wrap_schedule(orig):
 
     def schedule(self, *args, **kwargs):
         # the flag is re-read at most once per second; otherwise one clock read and two tests
-        if not (_refresh() if monotonic_ns() >= T.next_check else T.enabled):
+        t0 = monotonic_ns()
+        if not (_refresh() if t0 >= T.next_check else T.enabled):
             if S.on:
                 _engine_off()
             if _HOT_IN[0]:
@@ -340,11 +341,12 @@ def _wrap_schedule(orig):
             return orig(self, *args, **kwargs)
         if not S.on:
             _engine_on(self)
-        elif _new_agent(S):
+            t0 = monotonic_ns()
+        elif T.next_check != S.seen_check and _new_agent(S):
             _hook_start("engine")
+            t0 = monotonic_ns()
         if S.broken:
             return orig(self, *args, **kwargs)
-        t0 = time.monotonic_ns()
         S.step = self.current_step + 1
         S.cur_req = S.last_alloc = ""
         S.evicted = S.alloc_failures = 0
