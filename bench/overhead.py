@@ -15,8 +15,9 @@ of its own and the agent and the client on the others (``vllm_pinned``: a GPU se
 layout, where the engine's CPU threads do not share cores with the agent).  After the A/B
 phases of each layout, one more B phase outside the ratios, with the kernel's BPF run-time
 accounting on: the CPU kvtrace's BPF programs took, the steps the hook recorded times its
-cost per step, and the server's system calls times what the system-call slow path adds to
-each, each as a share of the server's CPU.  The hook's cost per engine step, detached
+cost per step, the server's system calls times what the system-call slow path adds to
+each, and the agent's /metrics scrapes times what one costs the API server, each as a share
+of the server's CPU.  The hook's cost per engine step, detached
 and attached, comes from bench/hookstep.py in vLLM's interpreter under `kvtrace attach`.
 
     sudo .venv/bin/python bench/overhead.py [--short] [--json out.json]
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -133,6 +135,27 @@ RAW_TRACEPOINT_PROBE(sys_enter) { u32 tgid = bpf_get_current_pid_tgid() >> 32; c
 """
 
 
+def scrape_cost_ms(server: VllmServer, n: int = 20) -> float:
+    """The API server's CPU per GET /metrics (ms), over n scrapes while it is idle: what each of
+    the agent's scrapes costs the server."""
+    def api() -> float:
+        return sum(server_cpu(server).get("api", (0.0, 0.0)))
+
+    c0 = api()
+    for _ in range(n):
+        with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as r:
+            r.read()
+    return (api() - c0) * 1000 / n
+
+
+def scrapes_between(ds, t0: int, t1: int) -> int:
+    """The agent's /metrics scrapes in [t0, t1] (CLOCK_MONOTONIC ns): distinct ts_ns of vllm_metrics."""
+    if "vllm_metrics" not in ds.names():
+        return 0
+    ts = set(ds.table("vllm_metrics").column("ts_ns").to_pylist())
+    return sum(1 for t in ts if t0 <= t <= t1)
+
+
 def server_syscalls():
     """A counter of every process's system calls (bcc), read with syscalls_of()."""
     from bcc import BPF
@@ -153,8 +176,10 @@ def accounted_phase(server: VllmServer, reqs, concurrency: int, n: int, work: Pa
     every process takes the kernel's slower entry and exit.  Its cost per call is measured on
     an untraced system call with and without the agent (alternately, the fastest of each), and
     charged to the server for every system call it made in the phase (counted by a program of
-    this bench, loaded after the agent's and not counted among them)."""
+    this bench, loaded after the agent's and not counted among them).  And the agent's /metrics
+    scrapes in the phase, each charged what one costs the API server's CPU while idle."""
     bare = [syscall_ns(cores)]
+    scrape_ms = scrape_cost_ms(server)
     before = set(bpf_programs())
     agent = Agent(server, work / "accounted", otlp_url)
     time.sleep(SETTLE_S)
@@ -166,9 +191,9 @@ def accounted_phase(server: VllmServer, reqs, concurrency: int, n: int, work: Pa
     with open(STATS, "w") as f:
         f.write("1")
     try:
-        p0, c0, s0 = bpf_programs(), server_cpu(server), syscalls_of(counter, pids)
+        p0, c0, s0, t0 = bpf_programs(), server_cpu(server), syscalls_of(counter, pids), time.monotonic_ns()
         r = phase(server, reqs, concurrency, n)
-        p1, c1, s1 = bpf_programs(), server_cpu(server), syscalls_of(counter, pids)
+        p1, c1, s1, t1 = bpf_programs(), server_cpu(server), syscalls_of(counter, pids), time.monotonic_ns()
     finally:
         with open(STATS, "w") as f:
             f.write(old)
@@ -183,6 +208,7 @@ def accounted_phase(server: VllmServer, reqs, concurrency: int, n: int, work: Pa
     ds = Dataset.open(work / "accounted")
     steps = ds.table("step").num_rows
     frames = hook_frames(ds)
+    scrapes = scrapes_between(ds, t0, t1)
     server_s = sum(sum(c1[g]) - sum(c0[g]) for g in c0 if g in c1)
     bpf_ns = sum(t for t, _, _ in progs)
     slow_ns = max(min(traced) - min(bare), 0.0)
@@ -193,6 +219,8 @@ def accounted_phase(server: VllmServer, reqs, concurrency: int, n: int, work: Pa
             "server_syscalls_per_s": round(calls / r["wall_s"]), "syscall_ns": {"without": [round(x, 1) for x in bare],
                                                                              "with": [round(x, 1) for x in traced]},
             "slow_path_ns": round(slow_ns, 1), "slow_path_pct_of_server_cpu": round(100 * calls * slow_ns / 1e9 / server_s, 3),
+            "metrics_scrapes": scrapes, "scrape_cpu_ms": round(scrape_ms, 2),
+            "metrics_pct_of_server_cpu": round(100 * scrapes * scrape_ms / 1e3 / server_s, 3),
             "bpf_top": [{"program": n, "ms": round(t / 1e6, 2), "runs": c, "ns_per_run": round(t / max(c, 1))}
                         for t, c, n in progs[:6]]}
 

@@ -91,6 +91,12 @@ def overhead_markdown(o: dict) -> list[str]:
     return out
 
 
+def accounted_total(acc: dict) -> float | None:
+    """The accounted costs together, as a share of the server's CPU (None when one is missing)."""
+    keys = ("bpf_pct_of_server_cpu", "hook_pct_of_server_cpu", "slow_path_pct_of_server_cpu", "metrics_pct_of_server_cpu")
+    return sum(acc[k] for k in keys) if all(k in acc for k in keys) else None
+
+
 def ab_markdown(v: dict, layout: str) -> list[str]:
     if "skipped" in v:
         return [f"- {layout}: skipped ({v['skipped']})"]
@@ -113,6 +119,9 @@ def ab_markdown(v: dict, layout: str) -> list[str]:
               if "hook_pct_of_server_cpu" in acc else "not estimated")
            + (f"; the system-call slow path {acc['slow_path_pct_of_server_cpu']:.2f}% ({acc['server_syscalls_per_s']:,} server "
               f"system calls a second, {acc['slow_path_ns']} ns more each)" if "slow_path_ns" in acc else "")
+           + (f"; /metrics scrapes {acc['metrics_pct_of_server_cpu']:.2f}% ({acc['metrics_scrapes']} at "
+              f"{acc['scrape_cpu_ms']} ms of the API server's CPU each)" if "metrics_scrapes" in acc else "")
+           + (f"; total {total:.2f}%" if (total := accounted_total(acc)) is not None else "")
            + "; busiest programs: " + ", ".join(f"{b['program']} {b['ms']} ms" for b in acc["bpf_top"][:3])]
           if (acc := v.get("accounted")) else []),
         f"  - agent in steady state: CPU {v['agent_cpu_pct_of_core']['mean']:.1f}% of a core (max "

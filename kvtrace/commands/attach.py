@@ -34,8 +34,8 @@ from kvtrace.vllm.select import choose_server, server_of
 @click.option("--kv-events", "kv_events", default=None, metavar="ENDPOINT", help="vLLM KV-event endpoint as given to vLLM's --kv-events-config (default: from the discovered server).")
 @click.option("--kv-replay", "kv_replay", default=None, metavar="ENDPOINT", help="vLLM KV-event replay endpoint, with --kv-events.")
 @click.option("--metrics-url", default=None, metavar="URL", help="vLLM Prometheus URL to scrape (default: the discovered server's /metrics).")
-@click.option("--metrics-interval", type=float, default=10.0, show_default=True,
-              help="Seconds between /metrics scrapes (each costs vLLM's API server a few ms of CPU; one more at stop).")
+@click.option("--metrics-interval", type=float, default=30.0, show_default=True,
+              help="Seconds between /metrics scrapes (each costs vLLM's API server about 10 ms of CPU; one at attach, one more at stop).")
 @click.option("--otlp", "otlp", default=None, metavar="URL", help="Also stream spans and metrics over OTLP while attached (http://host:4317 gRPC, http://host:4318 HTTP).")
 @click.option("--otlp-protocol", type=click.Choice(["grpc", "http"]), default="grpc", show_default=True, help="OTLP transport for --otlp.")
 @click.option("--inject/--no-inject", default=True, show_default=True, help="Inject the vLLM hook into the server's EngineCore and Workers (removed again at the end).")
