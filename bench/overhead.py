@@ -156,6 +156,22 @@ def scrapes_between(ds, t0: int, t1: int) -> int:
     return sum(1 for t in ts if t0 <= t <= t1)
 
 
+def scrape_interval_s(ds) -> float | None:
+    """The agent's /metrics interval, from its run row."""
+    (run,) = ds.runs()
+    for sc in json.loads(run.get("sidecars") or "[]"):
+        if sc.get("name") == "vllm_metrics":
+            return sc.get("interval_s")
+    return None
+
+
+def metrics_pct(acc: dict) -> float:
+    """The scrapes' share of the server's CPU at their steady rate (one per interval: a phase
+    shorter than a few intervals holds 0, 1 or 2 of them by chance)."""
+    per_s = acc["scrape_cpu_ms"] / 1e3 / acc["scrape_interval_s"] if acc.get("scrape_interval_s") else 0.0
+    return round(100 * per_s * acc["wall_s"] / acc["server_cpu_s"], 3)
+
+
 def server_syscalls():
     """A counter of every process's system calls (bcc), read with syscalls_of()."""
     from bcc import BPF
@@ -177,7 +193,7 @@ def accounted_phase(server: VllmServer, reqs, concurrency: int, n: int, work: Pa
     an untraced system call with and without the agent (alternately, the fastest of each), and
     charged to the server for every system call it made in the phase (counted by a program of
     this bench, loaded after the agent's and not counted among them).  And the agent's /metrics
-    scrapes in the phase, each charged what one costs the API server's CPU while idle."""
+    scrapes, one per its interval, each charged what one costs the API server's CPU while idle."""
     bare = [syscall_ns(cores)]
     scrape_ms = scrape_cost_ms(server)
     before = set(bpf_programs())
@@ -213,16 +229,17 @@ def accounted_phase(server: VllmServer, reqs, concurrency: int, n: int, work: Pa
     bpf_ns = sum(t for t, _, _ in progs)
     slow_ns = max(min(traced) - min(bare), 0.0)
     calls = s1 - s0
-    return {"wall_s": r["wall_s"], "tokens": r["tokens"], "server_cpu_s": round(server_s, 3), "steps_recorded": steps,
-            "hook_frames": frames,
-            "bpf_cpu_ms": round(bpf_ns / 1e6, 2), "bpf_pct_of_server_cpu": round(100 * bpf_ns / 1e9 / server_s, 3),
-            "server_syscalls_per_s": round(calls / r["wall_s"]), "syscall_ns": {"without": [round(x, 1) for x in bare],
-                                                                             "with": [round(x, 1) for x in traced]},
-            "slow_path_ns": round(slow_ns, 1), "slow_path_pct_of_server_cpu": round(100 * calls * slow_ns / 1e9 / server_s, 3),
-            "metrics_scrapes": scrapes, "scrape_cpu_ms": round(scrape_ms, 2),
-            "metrics_pct_of_server_cpu": round(100 * scrapes * scrape_ms / 1e3 / server_s, 3),
-            "bpf_top": [{"program": n, "ms": round(t / 1e6, 2), "runs": c, "ns_per_run": round(t / max(c, 1))}
-                        for t, c, n in progs[:6]]}
+    acc = {"wall_s": r["wall_s"], "tokens": r["tokens"], "server_cpu_s": round(server_s, 3), "steps_recorded": steps,
+           "hook_frames": frames,
+           "bpf_cpu_ms": round(bpf_ns / 1e6, 2), "bpf_pct_of_server_cpu": round(100 * bpf_ns / 1e9 / server_s, 3),
+           "server_syscalls_per_s": round(calls / r["wall_s"]), "syscall_ns": {"without": [round(x, 1) for x in bare],
+                                                                            "with": [round(x, 1) for x in traced]},
+           "slow_path_ns": round(slow_ns, 1), "slow_path_pct_of_server_cpu": round(100 * calls * slow_ns / 1e9 / server_s, 3),
+           "metrics_scrapes": scrapes, "scrape_cpu_ms": round(scrape_ms, 2), "scrape_interval_s": scrape_interval_s(ds),
+           "bpf_top": [{"program": n, "ms": round(t / 1e6, 2), "runs": c, "ns_per_run": round(t / max(c, 1))}
+                       for t, c, n in progs[:6]]}
+    acc["metrics_pct_of_server_cpu"] = metrics_pct(acc)
+    return acc
 
 
 def hook_frames(ds) -> int:

@@ -119,8 +119,9 @@ def ab_markdown(v: dict, layout: str) -> list[str]:
               if "hook_pct_of_server_cpu" in acc else "not estimated")
            + (f"; the system-call slow path {acc['slow_path_pct_of_server_cpu']:.2f}% ({acc['server_syscalls_per_s']:,} server "
               f"system calls a second, {acc['slow_path_ns']} ns more each)" if "slow_path_ns" in acc else "")
-           + (f"; /metrics scrapes {acc['metrics_pct_of_server_cpu']:.2f}% ({acc['metrics_scrapes']} at "
-              f"{acc['scrape_cpu_ms']} ms of the API server's CPU each)" if "metrics_scrapes" in acc else "")
+           + (f"; /metrics scrapes {acc['metrics_pct_of_server_cpu']:.2f}% (one per {acc['scrape_interval_s']:g} s at "
+              f"{acc['scrape_cpu_ms']} ms of the API server's CPU each; {acc['metrics_scrapes']} in the phase)"
+              if acc.get("scrape_interval_s") else "")
            + (f"; total {total:.2f}%" if (total := accounted_total(acc)) is not None else "")
            + "; busiest programs: " + ", ".join(f"{b['program']} {b['ms']} ms" for b in acc["bpf_top"][:3])]
           if (acc := v.get("accounted")) else []),
