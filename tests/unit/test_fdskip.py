@@ -67,4 +67,3 @@ def test_only_descriptors_proc_says_are_not_files_before_and_after_the_insert():
     assert t == {(1, 3): 1} and skip.stats() == {"skipped_fds": 1, "undone": 1}
     assert [fdskip.not_a_file(p) for p in ("socket:[1]", "pipe:[2]", "anon_inode:[eventfd]", "/dev/shm/x", "")] == [
         True, True, True, False, False]
-
