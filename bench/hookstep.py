@@ -7,9 +7,10 @@ here are the kind the hook is charged for there) to completion, with a model-run
 that samples one token per request and step.  The same stream is run with the hook not
 installed ("none"), installed with no agent ("detached") and installed with a live agent
 ("attached"; the records go out as marker writes, caught by the agent's BPF program when this
-runs under `kvtrace attach`), interleaved round by round.  The cost per step is the
-difference of the per-step times.  The stand-in's steps are short, so "attached" sends almost no frame; "attached_write_each_step"
-sends one per step, and the difference is the cost of one marker write (`write_cost_us`).
+runs under `kvtrace attach`), interleaved round by round.  The cost per step is the difference
+of the per-step times.  The stand-in's steps are short, so "attached" sends almost no frame;
+"attached_write_each_step" sends one per step, and the difference is the cost of one marker
+write (`write_cost_us`).
 
     <vllm python> bench/hookstep.py [--short] --rounds 5 --json out.json      (under kvtrace attach)
 
