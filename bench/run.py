@@ -45,7 +45,11 @@ def markdown(results: dict) -> str:
     ]
     for r in cap["rates"]:
         lines.append(f"| {r['target_rate']} | {r['producer_rate']:,} | {r['decoded_per_s']:,} | {r['lost']:,} | {r['accounted']} |")
-    if "auto_sampling" in cap:
+    if "block" in cap:
+        lines += block_markdown(cap["block"])
+    if "auto_series" in cap:
+        lines += auto_markdown(cap["auto_series"])
+    elif "auto_sampling" in cap:
         au = cap["auto_sampling"]
         lines += ["", f"- `--sampling auto` (the default), flat out on a 64-page ring: {au['producer_calls']:,} calls; "
                   f"in-kernel file_agg {au['agg_calls']:,} (the interpreter's own start-up preads included); raw rows "
@@ -91,6 +95,37 @@ def overhead_markdown(o: dict) -> list[str]:
     return out
 
 
+def block_markdown(b: dict) -> list[str]:
+    out = ["", f"## Kernel event capacity through the block layer (O_DIRECT preadv of 4 KiB across {b['device']}: one "
+           "file_io and one block_io event per call)", "",
+           f"- untraced producer: {b['untraced_calls_per_s']:,} calls/s; traced flat out: {b['traced_calls_per_s']:,} calls/s; "
+           f"cost per call on the traced process (both events): {b['per_call_cost_us']} µs", "",
+           "| target rate | producer calls/s | file_io decoded/s | lost | block_io decoded/s | lost | block events the kernel skipped | all accounted |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in b["rates"]:
+        out.append(f"| {r['target_rate']} | {r['producer_rate']:,} | {r['decoded_per_s']:,} | {r['lost']:,} | "
+                   f"{r['block_decoded_per_s']:,} | {r['block_lost']:,} | {sum(r['block_kernel_skips'].values()):,} | "
+                   f"{r['accounted'] and r['block_accounted']} |")
+    return out
+
+
+def auto_markdown(a: dict) -> list[str]:
+    out = ["", "## When in-kernel aggregation takes over (`--sampling auto`, the default; pread on tmpfs)", "",
+           "| ring | target rate | producer calls/s | raw rows written | failed reserves | sampled | in-kernel file_agg calls |",
+           "|---|---|---|---|---|---|---|"]
+    for ring, rows in (("small", a["small_ring"]), ("default", a["default_ring"])):
+        for r in rows:
+            sampled = f"up to 1 in {r['max_n']} for {r['sampled_s']} s" if r["max_n"] > 1 else "no"
+            out.append(f"| {r['ringbuf_pages']} pages | {r['target_rate']} | {r['producer_rate']:,} | {r['decoded_events']:,} | "
+                       f"{r['lost']:,} | {sampled} | {r['agg_calls']:,} of {r['producer_calls']:,} calls |")
+    for ring in ("small", "default"):
+        t = a[f"takeover_{ring}_ring"]
+        out.append(f"- {ring} ring: " + ("the agent kept up at every rate: no sampling" if t["first_sampled_rate"] is None else
+                   f"raw events sampled from {t['first_sampled_producer_rate']:,} calls/s (target {t['first_sampled_rate']})"))
+    out.append("- file_agg counts include the interpreter's own few start-up preads")
+    return out
+
+
 def accounted_total(acc: dict) -> float | None:
     """The accounted costs together, as a share of the server's CPU (None when one is missing)."""
     keys = ("bpf_pct_of_server_cpu", "hook_pct_of_server_cpu", "slow_path_pct_of_server_cpu", "metrics_pct_of_server_cpu")
@@ -113,7 +148,10 @@ def ab_markdown(v: dict, layout: str) -> list[str]:
         f"{c['user']['max']:.3f}), system {c['system']['mean']:.3f} (min {c['system']['min']:.3f}, max {c['system']['max']:.3f}); "
         "user and system by process: " + ", ".join(f"{g} {c[g]['mean']:.3f}" for g in ("api", "engine", "workers") if g in c),
         *([f"  - accounted (one more B phase, outside the ratios): kvtrace's BPF programs took {acc['bpf_cpu_ms']:,} ms "
-           f"of CPU (on every process's events), {acc['bpf_pct_of_server_cpu']:.2f}% of the server's {acc['server_cpu_s']} s; the hook "
+           f"of CPU on every process's events"
+           + (f" ({acc['bpf_all_pct_of_server_cpu']:.2f}% of the server's CPU), {acc['bpf_server_cpu_ms']:,} ms on the server's "
+              "own" if "bpf_server_cpu_ms" in acc else "")
+           + f": {acc['bpf_pct_of_server_cpu']:.2f}% of the server's {acc['server_cpu_s']} s; the hook "
            + (f"{acc['hook_pct_of_server_cpu']:.2f}% ({acc['steps_recorded']:,} steps at its cost per step, "
                  f"{acc.get('hook_frames', 0):,} marker writes)"
               if "hook_pct_of_server_cpu" in acc else "not estimated")

@@ -63,6 +63,26 @@ def test_o_direct_reads_from_a_loop_device(tmp_path, loopdev):
     only_workload(ds, truth)
 
 
+def test_capacity_producer_on_a_loop_device(tmp_path, loopdev):
+    """The capacity benchmark's block-layer producer (pread-loop --direct): every call one
+    4 KiB request, walking the device, each seen once at both levels."""
+    before = disk_stat(loopdev)
+    ds, truth, _ = capture(tmp_path, "pread-loop", "--direct", "--path", loopdev, "--chunk", "4096",
+                           "--seconds", "0.5", "--rate", "4000")
+    after = disk_stat(loopdev)
+    n = truth["calls"]
+    assert n >= 256 and truth["bytes"] == n * 4096
+    assert after["reads"] - before["reads"] == n
+    block = [r for r in ds.table("block_io").to_pylist() if r["disk"] == os.path.basename(loopdev)]
+    assert len(block) == n and sum(r["bytes"] for r in block) == n * 4096
+    span = 64 * 1024 * 1024 // 4096
+    assert Counter(r["sector"] for r in block) == Counter((i % span) * 8 for i in range(n))
+    reads = [r for r in ds.table("file_io").to_pylist() if r["path"] == loopdev]
+    assert len(reads) == n and {r["syscall"] for r in reads} <= {"preadv", "preadv2"}
+    assert sorted(r["offset"] for r in reads) == sorted((i % span) * 4096 for i in range(n))
+    only_workload(ds, truth)
+
+
 def test_buffered_reads_after_dropping_the_page_cache(tmp_path, ext4_on_loop):
     dev, path = ext4_on_loop
     size = path.stat().st_size
