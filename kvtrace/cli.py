@@ -33,7 +33,7 @@ def _lean_allocator(args: list[str]) -> None:
 
     Arrow's default (mimalloc) keeps the pages of freed buffers; on glibc's, freed buffers go
     back, at once (above the mmap threshold) or at the pipeline's periodic malloc_trim
-    (README, Performance).  Arrow picks its allocator once, when pyarrow is first imported,
+    (docs/performance.md).  Arrow picks its allocator once, when pyarrow is first imported,
     so this runs before the commands are imported; a value the user set is kept."""
     if args[:1] == ["attach"]:
         os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")

@@ -129,7 +129,7 @@ class Pipeline:
         self.writer.flush(self.run_row(status))
         self.steps += 1
         if self.steps == STARTUP_FLUSHES and self.release_startup:
-            # imports, compiling, the first flushes: code that ran once (README, Performance)
+            # imports, compiling, the first flushes: code that ran once (docs/performance.md)
             self.released_bytes = memory.release_file_pages()
         if self._trim is not None and self.steps % TRIM_EVERY == 0:
             # give back the C heap that decoding and writing freed (glibc keeps it otherwise):

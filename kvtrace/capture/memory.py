@@ -1,6 +1,6 @@
 """Keep a long capture's resident memory down (glibc and Linux only; best effort elsewhere).
 
-Three things, each measured on an attach to a serving vLLM (README, Performance):
+Three things, each measured on an attach to a serving vLLM (docs/performance.md):
 
 - ``tune_malloc``: glibc raises its mmap threshold to as much as 32 MiB the first time a
   large block is freed, so Arrow's per-flush buffers then come from the heap and stay

@@ -58,7 +58,7 @@ class Capture:
     kv_events: str | None = None
     kv_replay: str | None = None
     metrics_url: str | None = None
-    metrics_interval: float = 30.0  # a scrape costs the API server about 10 ms of CPU (README, Performance)
+    metrics_interval: float = 30.0  # a scrape costs the API server about 10 ms of CPU (docs/performance.md)
     inject: bool = True
     on_restart: str | None = None
     quiet: bool = False

@@ -22,8 +22,8 @@ from kvtrace.errors import OutputError
 
 FILE_MODE = 0o600
 # A part lives from one flush to the stop's compaction, so it is written the cheap way: LZ4 and
-# no dictionaries cost about 35% less CPU than zstd on a flush's small tables (README,
-# Performance).  Compacted tables and the runs table are written with zstd.
+# no dictionaries cost about 35% less CPU than zstd on a flush's small tables (docs/performance.md).
+# Compacted tables and the runs table are written with zstd.
 PART = {"compression": "lz4", "use_dictionary": False}
 FINAL = {"compression": "zstd"}
 
