@@ -70,8 +70,12 @@ def traced(path: str, seconds: float, rate: float, ringbuf_pages: int = 1024, sa
         extra = {}
         if direct:
             blk = ds.table("block_io") if "block_io" in ds.names() else None
-            rows = 0 if blk is None else blk.filter(pc.and_(pc.equal(blk["pid"], truth["pid"]),
-                                                            pc.equal(blk["disk"].cast("string"), os.path.basename(path)))).num_rows
+            if blk is not None:
+                blk = blk.filter(pc.and_(pc.equal(blk["pid"], truth["pid"]), pc.equal(blk["disk"].cast("string"), os.path.basename(path))))
+            rows = 0 if blk is None else blk.num_rows
+            # requests whose completion the kernel dropped before any program ran: rows without
+            # latency (kvtrace.capture.blockio)
+            unseen = 0 if blk is None else blk.num_rows - pc.count(blk["latency_ns"]).as_py()
             blost = run["lost_events"].get("block_io", 0)
             # the kernel does not run a program for an event that interrupts another of kvtrace's
             # programs on its CPU (a completion in interrupt context, say), and counts the skip (kvtrace.capture.progstats); a skipped start or completion
@@ -79,7 +83,7 @@ def traced(path: str, seconds: float, rate: float, ringbuf_pages: int = 1024, sa
             skips = {k: v for k, v in run["kernel_skips"].items() if k.startswith("block:")}
             missing = truth["calls"] - rows - blost
             extra = {"block_decoded": rows, "block_decoded_per_s": round(rows / truth["seconds"]), "block_lost": blost,
-                     "block_kernel_skips": skips, "block_missing": missing,
+                     "block_unseen": unseen, "block_kernel_skips": skips, "block_missing": missing,
                      "block_accounted": 0 <= missing <= sum(skips.values())}
         if sampling != "off":
             # the in-kernel count of the producer's calls (it also holds the interpreter's own

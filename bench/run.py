@@ -100,11 +100,12 @@ def block_markdown(b: dict) -> list[str]:
            "file_io and one block_io event per call)", "",
            f"- untraced producer: {b['untraced_calls_per_s']:,} calls/s; traced flat out: {b['traced_calls_per_s']:,} calls/s; "
            f"cost per call on the traced process (both events): {b['per_call_cost_us']} µs", "",
-           "| target rate | producer calls/s | file_io decoded/s | lost | block_io decoded/s | lost | block events the kernel skipped | all accounted |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| target rate | producer calls/s | file_io decoded/s | lost | block_io decoded/s | lost | of them without latency (completion unseen) | block events the kernel skipped, counted | all accounted |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in b["rates"]:
         out.append(f"| {r['target_rate']} | {r['producer_rate']:,} | {r['decoded_per_s']:,} | {r['lost']:,} | "
-                   f"{r['block_decoded_per_s']:,} | {r['block_lost']:,} | {sum(r['block_kernel_skips'].values()):,} | "
+                   f"{r['block_decoded_per_s']:,} | {r['block_lost']:,} | {r.get('block_unseen', 0):,} | "
+                   f"{sum(r['block_kernel_skips'].values()):,} | "
                    f"{r['accounted'] and r['block_accounted']} |")
     return out
 

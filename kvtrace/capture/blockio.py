@@ -1,5 +1,8 @@
 """Decoder for probes/blockio.bpf.c: one row per completed block request (table ``block_io``;
-under sampling one row per ``weight`` requests, see kvtrace/capture/agg.py)."""
+under sampling one row per ``weight`` requests, see kvtrace/capture/agg.py).  A request whose
+completion the probe never saw (the kernel dropped that event) comes as a row with error
+``UNSEEN``, found when the next request starts at its sector: its error, device time and
+latency are null."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,6 +15,7 @@ KIND = KIND_BLOCK
 SOURCE = "blockio.bpf.c"
 STRUCT = "kv_block_event"
 TABLE = "block_io"
+UNSEEN = -(2**31)   # KV_BLOCK_UNSEEN in probes/blockio.bpf.c
 DTYPE = struct_dtype(
     [
         ("ts_start", "<u8"),
@@ -57,6 +61,8 @@ def decode(raw: list[bytes], ctx: DecodeContext) -> pa.Table:
     issue = a["ts_issue"].astype(np.int64)
     issued = issue > 0
     dev = a["dev"].astype(np.int64)
+    unseen = a["error"] == UNSEEN
+    mask = unseen if unseen.any() else None
     return pa.table(
         {
             "ts_ns": pa.array(a["ts"], pa.uint64()),
@@ -72,10 +78,10 @@ def decode(raw: list[bytes], ctx: DecodeContext) -> pa.Table:
             "bytes": pa.array(a["bytes"], pa.uint64()),
             "op": pa.array([op_of(r) for r in rwbs], pa.string()),
             "rwbs": pa.array(rwbs, pa.string()),
-            "error": pa.array(a["error"], pa.int32()),
+            "error": pa.array(a["error"], pa.int32(), mask=mask),
             "queue_ns": pa.array(np.where(issued, issue - start, 0), pa.int64()),
-            "device_ns": pa.array(np.where(issued, end - issue, end - start), pa.int64()),
-            "latency_ns": pa.array(end - start, pa.int64()),
+            "device_ns": pa.array(np.where(issued, end - issue, end - start), pa.int64(), mask=mask),
+            "latency_ns": pa.array(end - start, pa.int64(), mask=mask),
             "weight": pa.array(weights(a["weight"]), pa.uint32()),
         }
     )

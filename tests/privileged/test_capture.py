@@ -83,6 +83,51 @@ def test_capacity_producer_on_a_loop_device(tmp_path, loopdev):
     only_workload(ds, truth)
 
 
+UNSEEN = r"""
+import json, mmap, os, struct, subprocess, sys, threading, time
+dev, out = sys.argv[1], sys.argv[2]
+time.sleep(0.5)
+maps = json.loads(subprocess.run(["bpftool", "-j", "map", "show"], capture_output=True, text=True).stdout)
+(mid,) = [m["id"] for m in maps if m.get("name") == "block_start"]
+st = os.stat(dev)
+devno = (os.major(st.st_rdev) << 20) | os.minor(st.st_rdev)
+sector, fake = 2048, time.monotonic_ns() - 5_000_000
+key = struct.pack("<QII", sector, devno, 0)
+val = struct.pack("<QQIIII8s16s", fake, fake + 1000, os.getpid(), threading.get_native_id(), 4096, 0, b"RS", b"never-completed")
+hexs = lambda b: [f"{x:02x}" for x in b]
+subprocess.run(["bpftool", "map", "update", "id", str(mid), "key", "hex", *hexs(key), "value", "hex", *hexs(val)], check=True)
+fd = os.open(dev, os.O_RDONLY | os.O_DIRECT)
+buf = mmap.mmap(-1, 4096)
+n = os.preadv(fd, [buf], sector * 512)
+os.close(fd)
+json.dump({"pid": os.getpid(), "tid": threading.get_native_id(), "fake": fake, "sector": sector, "bytes": n}, open(out, "w"))
+"""
+
+
+def test_a_request_whose_completion_went_unseen_is_a_row_once_its_sector_is_reused(tmp_path, loopdev):
+    """The kernel can drop a block_rq_complete before any program runs (docs/schema.md): the
+    probe then still holds the request as issued.  Here the traced command puts such a
+    request into the probe's in-flight table itself, then reads the same sector."""
+    out, result = tmp_path / "ds", tmp_path / "result.json"
+    p = run_kvtrace("attach", "--quiet", "--probe", "blockio", "--out", str(out), "--",
+                    sys.executable, "-c", UNSEEN, loopdev, str(result), timeout=300)
+    assert p.returncode == 0, p.stderr
+    truth = json.loads(result.read_text())
+    assert truth["bytes"] == 4096
+    rows = [r for r in Dataset.open(out).table("block_io").to_pylist()
+            if r["disk"] == os.path.basename(loopdev) and r["sector"] == truth["sector"]]
+    unseen = [r for r in rows if r["latency_ns"] is None]
+    seen = [r for r in rows if r["latency_ns"] is not None]
+    assert len(unseen) == 1 and len(seen) == 1, rows
+    u, r = unseen[0], seen[0]
+    assert (u["start_ns"], u["issue_ns"], u["pid"], u["comm"], u["bytes"]) == (
+        truth["fake"], truth["fake"] + 1000, truth["pid"], "never-completed", 4096)
+    assert u["error"] is None and u["device_ns"] is None and u["queue_ns"] == 1000
+    # noticed when the real read started, which then completed as usual
+    assert r["pid"] == truth["pid"] and r["tid"] == truth["tid"] and r["bytes"] == 4096 and r["error"] == 0
+    assert u["start_ns"] < u["ts_ns"] <= r["start_ns"] < r["ts_ns"]
+
+
 def test_buffered_reads_after_dropping_the_page_cache(tmp_path, ext4_on_loop):
     dev, path = ext4_on_loop
     size = path.stat().st_size

@@ -84,6 +84,17 @@ def test_negative_results_are_errors_not_bytes():
     assert [(r["bytes"], r["ret"], r["syscall"], r["latency_ns"]) for r in t] == [(0, -11, "pread64", 10), (4096, 4096, "pread64", 20)]
 
 
+def test_a_block_request_whose_completion_went_unseen_has_no_latency():
+    rec = np.zeros(2, dtype=blockio.DTYPE)
+    rec["kind"], rec["size"], rec["weight"], rec["bytes"] = events.KIND_BLOCK, blockio.DTYPE.itemsize, 1, 4096
+    rec["ts_start"], rec["ts_issue"], rec["ts"], rec["sector"] = [100, 500], [110, 510], [400, 900], [8, 8]
+    rec["error"] = [blockio.UNSEEN, 0]
+    rec["rwbs"] = b"RS"
+    t = blockio.decode([r.tobytes() for r in rec], DecodeContext()).to_pylist()
+    assert [(r["error"], r["queue_ns"], r["device_ns"], r["latency_ns"], r["bytes"]) for r in t] == [
+        (None, 10, None, None, 4096), (0, 10, 390, 400, 4096)]
+
+
 def test_rawfile_ignores_a_truncated_tail(tmp_path):
     p = tmp_path / "r.raw"
     p.write_bytes(struct.pack("<I", 3) + b"\x01ab" + struct.pack("<I", 10) + b"\x02abc")

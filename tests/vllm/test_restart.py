@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -66,6 +67,13 @@ def requests(seed: int, n: int = 4) -> list[workload.Request]:
 
 def engine_hooked(server: VllmServer) -> bool:
     return any(injector.hook(p, "status")["status"]["installed"] for p in server.processes()["engine"])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _flag_dir():
+    """The agent flag directory of these tests' own, gone with them."""
+    yield
+    shutil.rmtree(FLAG, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
