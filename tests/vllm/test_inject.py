@@ -152,7 +152,13 @@ def test_sigkilled_agent_leaves_a_serving_server_and_no_hook(plain_server, tmp_p
     agent = Agent(server, tmp_path / "ds")
     reqs = workload.shared_prefix(seed=11, groups=3, per_group=2, fillers=2)
     results: list = []
-    t = threading.Thread(target=lambda: results.extend(workload.run(server.url, server.model, reqs, concurrency=2)))
+    killed = threading.Event()
+
+    def load() -> None:   # rounds back to back until the agent is killed: the kill lands mid-workload
+        while not killed.is_set():
+            results.extend(workload.run(server.url, server.model, reqs, concurrency=2))
+
+    t = threading.Thread(target=load)
     t.start()
 
     def flushed() -> bool:   # the agent has written steps of this workload (a flush every second)
@@ -161,13 +167,18 @@ def test_sigkilled_agent_leaves_a_serving_server_and_no_hook(plain_server, tmp_p
         except DatasetError:
             return False
 
-    t0 = time.monotonic()
-    wait_for(flushed, 60, "the agent's first flush of step rows")
-    print(f"first steps flushed {time.monotonic() - t0:.2f} s after the workload started")
-    assert t.is_alive(), "the workload ended before the agent flushed: it must be killed mid-workload"
-    agent.stop(signal.SIGKILL)
-    t.join(300)
-    assert len(results) == len(reqs) and all(not r.error for r in results)
+    try:
+        t0 = time.monotonic()
+        wait_for(flushed, 60, "the agent's first flush of step rows")
+        print(f"first steps flushed {time.monotonic() - t0:.2f} s after the workload started")
+        assert t.is_alive(), "the workload failed before the agent flushed"
+        agent.stop(signal.SIGKILL)
+    finally:
+        killed.set()
+        if agent.proc.poll() is None:   # a failure above: detach cleanly, so the next test finds no hook
+            agent.stop()
+        t.join(300)
+    assert results and len(results) % len(reqs) == 0 and all(not r.error for r in results)
     # the next steps notice the agent is gone (flag re-checked each second) and remove the hook
     time.sleep(1.5)
     workload.run(server.url, server.model, reqs[:2])
