@@ -55,29 +55,27 @@ BPF_TABLE("lru_hash", struct kv_block_key, struct kv_block_start, block_start, K
  * count it nowhere (measured: about one block_rq_complete in 50,000 at this VM's top rate) */
 #define KV_BLOCK_UNSEEN (-2147483647 - 1)
 
-/* A request the probe saw issued at this (dev, sector) never came back through
- * block_rq_complete, and a new one is starting there: the old one has ended.  It becomes a
- * row, so that it is neither lost unseen nor overwritten.  Not sampled, not aggregated
- * (block_agg counts what the probe saw complete), as rare as the drops. */
-static __always_inline void kv_block_unseen(struct kv_block_key *k, struct kv_block_start *old)
+/* One block_io record of the request st at k; 0 when the ring had no room (the caller
+ * counts the loss). */
+static __always_inline int kv_block_emit(struct kv_block_key *k, struct kv_block_start *st, u64 now,
+                                         u32 bytes, s32 error, u32 weight)
 {
     struct kv_block_event *e = events.ringbuf_reserve(sizeof(struct kv_block_event));
-    if (!e) {
-        kv_sample_lost(KV_KIND_BLOCK, 1);
-        return;
-    }
-    kv_fill_hdr(&e->h, KV_KIND_BLOCK, sizeof(*e), old->tgid, old->tid);
-    e->h.ts = bpf_ktime_get_ns();
-    e->ts_start = old->ts_start;
-    e->ts_issue = old->ts_issue;
+    if (!e)
+        return 0;
+    kv_fill_hdr(&e->h, KV_KIND_BLOCK, sizeof(*e), st->tgid, st->tid);
+    e->h.ts = now;
+    e->ts_start = st->ts_start;
+    e->ts_issue = st->ts_issue;
     e->sector = k->sector;
-    e->dev = k->dev ? k->dev : old->from_dev;
-    e->bytes = old->bytes;
-    e->error = KV_BLOCK_UNSEEN;
-    e->weight = 1;
-    __builtin_memcpy(e->rwbs, old->rwbs, sizeof(e->rwbs));
-    __builtin_memcpy(e->comm, old->comm, sizeof(e->comm));
+    e->dev = k->dev ? k->dev : st->from_dev;   /* a path without any dev number: its head's */
+    e->bytes = bytes;
+    e->error = error;
+    e->weight = weight;
+    __builtin_memcpy(e->rwbs, st->rwbs, sizeof(e->rwbs));
+    __builtin_memcpy(e->comm, st->comm, sizeof(e->comm));
     kv_submit(e, sizeof(*e));
+    return 1;
 }
 
 static __always_inline int kv_block_remember(u32 dev, u64 sector, u32 bytes, const char *rwbs)
@@ -91,8 +89,13 @@ static __always_inline int kv_block_remember(u32 dev, u64 sector, u32 bytes, con
     k.sector = sector;
     struct kv_block_start *old = block_start.lookup(&k);
     if (old && old->ts_issue) {
+        /* a request the probe saw issued here never came back through block_rq_complete, and
+         * a new one is starting: the old one has ended.  It becomes a row, so that it is not
+         * overwritten unseen; not sampled, not aggregated (block_agg counts what the probe saw
+         * complete), as rare as the drops */
         struct kv_block_start prev = *old;
-        kv_block_unseen(&k, &prev);
+        if (!kv_block_emit(&k, &prev, bpf_ktime_get_ns(), prev.bytes, KV_BLOCK_UNSEEN, 1))
+            kv_sample_lost(KV_KIND_BLOCK, 1);
     }
     struct kv_block_start s = {};
     s.ts_start = bpf_ktime_get_ns();
@@ -230,23 +233,10 @@ TRACEPOINT_PROBE(block, block_rq_complete)
     u32 weight = kv_sample(KV_KIND_BLOCK);
     if (!weight)
         return 0;
-    struct kv_block_event *e = events.ringbuf_reserve(sizeof(struct kv_block_event));
-    if (!e) {
+    if (!kv_block_emit(&k, &st, now, done, error, weight)) {
         kv_sample_lost(KV_KIND_BLOCK, weight);
         return 0;
     }
     kv_sample_ok(KV_KIND_BLOCK);
-    kv_fill_hdr(&e->h, KV_KIND_BLOCK, sizeof(*e), st.tgid, st.tid);
-    e->h.ts = now;
-    e->ts_start = st.ts_start;
-    e->ts_issue = st.ts_issue;
-    e->sector = k.sector;
-    e->dev = k.dev ? k.dev : st.from_dev;   /* a path without any dev number: its head's */
-    e->bytes = done;
-    e->error = error;
-    e->weight = weight;
-    __builtin_memcpy(e->rwbs, st.rwbs, sizeof(e->rwbs));
-    __builtin_memcpy(e->comm, st.comm, sizeof(e->comm));
-    kv_submit(e, sizeof(*e));
     return 0;
 }
