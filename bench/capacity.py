@@ -78,8 +78,8 @@ def traced(path: str, seconds: float, rate: float, ringbuf_pages: int = 1024, sa
             unseen = 0 if blk is None else blk.num_rows - pc.count(blk["latency_ns"]).as_py()
             blost = run["lost_events"].get("block_io", 0)
             # the kernel does not run a program for an event that interrupts another of kvtrace's
-            # programs on its CPU (a completion in interrupt context, say), and counts the skip (kvtrace.capture.progstats); a skipped start or completion
-            # is a row not written
+            # programs on its CPU, and counts the skip (kvtrace.capture.progstats): a skipped
+            # start is a row not written
             skips = {k: v for k, v in run["kernel_skips"].items() if k.startswith("block:")}
             missing = truth["calls"] - rows - blost
             extra = {"block_decoded": rows, "block_decoded_per_s": round(rows / truth["seconds"]), "block_lost": blost,

@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -213,10 +214,9 @@ def server_bpf_ns(runs: dict[int, tuple[int, int]], where: dict[int, str], calls
     share of the runs at the program's mean run time.  Every other program (block, io_uring,
     scheduler, TCP) is charged in full."""
     total = 0.0
-    for pid, (ns, n) in runs.items():
-        name = where.get(pid, "")
-        kind, _, call = name.partition("_")[2].partition("_") if name.startswith("sys_") else ("", "", "")
-        nr = SYSCALL_NR.get(call) if kind in ("enter", "exit") else None
+    for prog, (ns, n) in runs.items():
+        m = re.fullmatch(r"sys_(?:enter|exit)_(\w+)", where.get(prog, ""))
+        nr = SYSCALL_NR.get(m.group(1)) if m else None
         total += ns if nr is None or n <= 0 else ns * min(calls.get(nr, 0), n) / n
     return total
 
