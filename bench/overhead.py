@@ -190,6 +190,15 @@ def server_syscalls():
     return BPF(text=COUNT_SYSCALLS)
 
 
+def syscall_names(header: str = "/usr/include/x86_64-linux-gnu/asm/unistd_64.h") -> dict[int, str]:
+    """{number: name} of this machine's system calls, from the C library's header ({} without it)."""
+    try:
+        text = open(header).read()
+    except OSError:
+        return {}
+    return {int(n): name for name, n in re.findall(r"#define __NR_(\w+) (\d+)", text)}
+
+
 def syscalls_of(counter, pids: set[int]) -> dict[int, int]:
     """{system call number: calls} of the processes pids."""
     out: dict[int, int] = {}
@@ -277,12 +286,28 @@ def accounted_phase(server: VllmServer, reqs, concurrency: int, n: int, work: Pa
            "bpf_server_cpu_ms": round(own_ns / 1e6, 2), "bpf_pct_of_server_cpu": round(100 * own_ns / 1e9 / server_s, 3),
            "server_syscalls_per_s": round(calls / r["wall_s"]), "syscall_ns": {"without": [round(x, 1) for x in bare],
                                                                             "with": [round(x, 1) for x in traced]},
+           "server_syscalls_top": top_syscalls(by_nr, r["wall_s"]),
            "slow_path_ns": round(slow_ns, 1), "slow_path_pct_of_server_cpu": round(100 * calls * slow_ns / 1e9 / server_s, 3),
+           # of which sched_yield: OpenMP threads spinning at a barrier; a slower call there
+           # delays only the thread the yield hands the CPU to, so this part is an upper bound
+           "slow_path_sched_yield_pct_of_server_cpu": round(100 * yields(by_nr) * slow_ns / 1e9 / server_s, 3),
            "metrics_scrapes": scrapes, "scrape_cpu_ms": round(scrape_ms, 2), "scrape_interval_s": scrape_interval_s(ds),
            "bpf_top": [{"program": n, "ms": round(t / 1e6, 2), "runs": c, "ns_per_run": round(t / max(c, 1))}
                        for t, c, n in progs[:6]]}
     acc["metrics_pct_of_server_cpu"] = metrics_pct(acc)
     return acc
+
+
+def yields(by_nr: dict[int, int]) -> int:
+    """The sched_yield calls among the server's system calls."""
+    return sum(c for nr, c in by_nr.items() if syscall_names().get(nr) == "sched_yield")
+
+
+def top_syscalls(by_nr: dict[int, int], wall_s: float, n: int = 8) -> dict[str, int]:
+    """The server's most frequent system calls, calls per second by name."""
+    names = syscall_names()
+    top = sorted(by_nr.items(), key=lambda kv: -kv[1])[:n]
+    return {names.get(nr, str(nr)): round(c / wall_s) for nr, c in top if c}
 
 
 def hook_frames(ds) -> int:
@@ -301,7 +326,7 @@ def hook_frames(ds) -> int:
     return t.group_by(["pid", "mark_ns"]).aggregate([]).num_rows
 
 
-def vllm_ab(short: bool, pin: bool = False) -> dict:
+def vllm_ab(short: bool, pin: bool = False, accounted_only: bool = False) -> dict:
     """Interleaved A/B phases.  With ``pin``, the server runs on a core of its own and the
     agent and the client on the others: a GPU server's layout, where the engine's CPU threads
     are not shared with the agent."""
@@ -327,7 +352,7 @@ def vllm_ab(short: bool, pin: bool = False) -> dict:
         one_round(server, reqs, concurrency)                  # warm-up: compile, storage filled
         # A B A B ... A: each B is compared with the A phases either side of it, so a drift of
         # the server's speed over the session does not count as the agent's cost
-        for k, mode in enumerate(["A", "B"] * pairs + ["A"]):
+        for k, mode in enumerate([] if accounted_only else ["A", "B"] * pairs + ["A"]):
             i = k // 2
             agent = None
             if mode == "B":
@@ -367,6 +392,9 @@ def vllm_ab(short: bool, pin: bool = False) -> dict:
             receiver.stop()
         if cores:
             os.sched_setaffinity(0, cores[0] | cores[1])
+    if accounted_only:
+        return {"accounted": accounted, "load_average": round(os.getloadavg()[0], 2),
+                "server_cores": sorted(cores[0]) if cores else None}
     a = [r for r in rounds if r["mode"] == "A"]
     b = [r for r in rounds if r["mode"] == "B"]
     def against_neighbours(f) -> list[float]:
@@ -425,14 +453,16 @@ def main() -> None:
     ap.add_argument("--short", action="store_true", help="CI mode: one A/B pair on a small workload, 3 hook rounds")
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--skip-vllm", action="store_true", help="only the hook's cost per step")
+    ap.add_argument("--accounted-only", action="store_true",
+                    help="no A/B phases: the hook's cost and one accounted phase per layout")
     a = ap.parse_args()
     if not os.path.exists(vllm_python()):
         result = {"skipped": f"no vLLM interpreter at {vllm_python()} (scripts/setup-vllm, or set KVTRACE_VLLM_PYTHON)"}
     else:
         result = {"hook": hook_cost(a.short)}
         if not a.skip_vllm:
-            result["vllm"] = vllm_ab(a.short)
-            result["vllm_pinned"] = vllm_ab(a.short, pin=True)
+            result["vllm"] = vllm_ab(a.short, accounted_only=a.accounted_only)
+            result["vllm_pinned"] = vllm_ab(a.short, pin=True, accounted_only=a.accounted_only)
             per_step = result["hook"]["hook_cost_us"].get("attached")
             # one marker write: the larger of its two estimates (median and fastest rounds)
             per_write = max(result["hook"].get("write_cost_us", 0.0), result["hook"].get("write_cost_fastest_us", 0.0), 0.0)

@@ -157,7 +157,11 @@ def ab_markdown(v: dict, layout: str) -> list[str]:
                  f"{acc.get('hook_frames', 0):,} marker writes)"
               if "hook_pct_of_server_cpu" in acc else "not estimated")
            + (f"; the system-call slow path {acc['slow_path_pct_of_server_cpu']:.2f}% ({acc['server_syscalls_per_s']:,} server "
-              f"system calls a second, {acc['slow_path_ns']} ns more each)" if "slow_path_ns" in acc else "")
+              f"system calls a second, {acc['slow_path_ns']} ns more each"
+              + (f"; of it {acc['slow_path_sched_yield_pct_of_server_cpu']:.2f}% on sched_yield, OpenMP threads waiting at "
+                 "a barrier, where it is an upper bound" if "slow_path_sched_yield_pct_of_server_cpu" in acc else "")
+              + "; most frequent: " + ", ".join(f"{k} {c:,}/s" for k, c in list(acc.get("server_syscalls_top", {}).items())[:4])
+              + ")" if "slow_path_ns" in acc else "")
            + (f"; /metrics scrapes {acc['metrics_pct_of_server_cpu']:.2f}% (one per {acc['scrape_interval_s']:g} s at "
               f"{acc['scrape_cpu_ms']} ms of the API server's CPU each; {acc['metrics_scrapes']} in the phase)"
               if acc.get("scrape_interval_s") else "")

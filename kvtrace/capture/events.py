@@ -91,6 +91,9 @@ class DecodeContext:
     nvme_rescan: Callable | None = None
     # ``skip_fd(pid, fd)``: tell the fileio probe a descriptor is not a file (kvtrace.capture.fdskip)
     skip_fd: Callable | None = None
+    # ``tcp_seen()``: the tcp probe had events, so a connection is on a watched port
+    # (kvtrace.fabric.tcpgate attaches tcp:tcp_probe then)
+    tcp_seen: Callable | None = None
 
     def dev_name(self, dev: int) -> str:
         """Kernel dev_t (major<<20 | minor) to a disk name via /sys/dev/block, else the NVMe

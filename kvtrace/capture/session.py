@@ -108,7 +108,8 @@ def run(cap: Capture, echo) -> tuple[object, str]:
         pipeline.finish()
     finally:
         for sidecar in pipeline.sidecars if pipeline is not None else ():
-            sidecar.close()
+            if hasattr(sidecar, "close"):   # optional (Pipeline.add_sidecar)
+                sidecar.close()
         for sink in pipeline.sinks if pipeline is not None else ():
             sink.close()
         source.close()

@@ -102,6 +102,8 @@ def state_name(s: int) -> str:
 
 def decode(raw: list[bytes], ctx: DecodeContext) -> pa.Table:
     a = decode_array(raw, DTYPE)
+    if len(a) and ctx.tcp_seen is not None:
+        ctx.tcp_seen()
     fam = a["family"].tolist()
     sa = [addr(f, x) for f, x in zip(fam, a["saddr"])]
     da = [addr(f, x) for f, x in zip(fam, a["daddr"])]

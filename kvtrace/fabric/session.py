@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from kvtrace.capture import tcp as tcp_probe
 from kvtrace.dataset import schema
-from kvtrace.fabric import topology
+from kvtrace.fabric import tcpgate, topology
 from kvtrace.fabric.sysfs import kernel_dev
 
 META = "kvtrace.fabric"
@@ -368,6 +368,13 @@ def _start(pipeline, source, opts: Options, echo) -> Started:
             out.notes += configure(bpf, plan, opts)
     except Exception as e:
         out.warnings.append(f"fabric probe settings: {type(e).__name__}: {e}")
+    if bpf is not None and "tcp" in plan.attached and tcpgate.FUNCTION in getattr(bpf, "funcs", {}):
+        gate = tcpgate.TcpProbeGate(bpf, opts.nvme_tcp_ports, os.path.join(opts.root, "proc"))
+        pipeline.ctx.tcp_seen = gate.wake
+        out.sidecars.append(gate)
+        if not gate.attached:   # said beside the ports
+            out.notes = [n + " (RTT samples from the first connection on one)" if n.startswith("tcp ports") else n
+                         for n in out.notes]
     if bpf is not None and "ulib" in plan.attached:
         from kvtrace.capture import ulib
 

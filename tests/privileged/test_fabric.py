@@ -74,7 +74,7 @@ def test_capture_here_reports_nvme_and_rdma_absent_and_loses_nothing(tmp_path, l
     truth = json.loads(result.read_text())
     assert "probe nvme skipped: nvme:nvme_setup_cmd/nvme_complete_rq not in this kernel" in p.stderr
     assert "probe rdma skipped: rdma_cma and rdma_core tracepoints not in this kernel" in p.stderr
-    assert "kvtrace: fabric: tcp ports 4420; 0 NVMe controllers; no RDMA devices" in p.stderr
+    assert "kvtrace: fabric: tcp ports 4420 (RTT samples from the first connection on one); 0 NVMe controllers; no RDMA devices" in p.stderr
     ds = Dataset.open(out)
     (run,) = ds.runs()
     assert "nvme" in run["probes_skipped"] and "rdma" in run["probes_skipped"]
@@ -82,6 +82,8 @@ def test_capture_here_reports_nvme_and_rdma_absent_and_loses_nothing(tmp_path, l
     assert run["lost_events"] == {} and run["dropped_events"] == 0 and run["status"] == "complete"
     sidecars = {s["name"]: s for s in json.loads(run["sidecars"])}
     assert sidecars["nvme_topology"]["controllers"] == 0
+    # no socket on 4420 here: tcp:tcp_probe never ran on this host's segments
+    assert sidecars["tcp_probe_gate"] == {"name": "tcp_probe_gate", "attached": False, "attached_ns": 0, "errors": 0}
     block = [r for r in ds.table("block_io").to_pylist() if r["disk"] == os.path.basename(loopdev)]
     assert len(block) == count == after["reads"] - before["reads"]
     assert sum(r["bytes"] for r in block) == truth["bytes"] == (after["read_sectors"] - before["read_sectors"]) * 512
@@ -209,6 +211,11 @@ def test_nvme_tcp_port_states_rtt_and_retransmits(tmp_path, netns):
     retrans = [r for r in rows if r["event"] == "retransmit" and r["err"] not in not_counted]
     synacks = [r for r in rows if r["event"] == "synack_retransmit"]
     (run,) = ds.runs()
+    # tcp:tcp_probe was attached once the connection's first events were decoded, and only then
+    gate = {x["name"]: x for x in json.loads(run["sidecars"])}["tcp_probe_gate"]
+    assert gate["attached"] and gate["errors"] == 0
+    every = ds.table("tcp_events").to_pylist()
+    assert min(r["ts_ns"] for r in every) < gate["attached_ns"] <= min(r["ts_ns"] for r in every if r["event"] == "probe")
     # the listener's SYN-ACKs again: what namespace B counted (TCPSynRetrans), at least the one
     # of the deferred accept, from the listener to the client's port
     skips = run["kernel_skips"]

@@ -27,3 +27,18 @@ def test_server_pays_its_calls_share_of_syscall_programs():
 def test_no_calls_no_charge_for_syscall_programs():
     assert overhead.server_bpf_ns({1: (4_000, 40)}, {1: "sys_exit_write"}, {}) == 0.0
     assert overhead.server_bpf_ns({1: (4_000, 0)}, {1: "sys_exit_write"}, {}) == 4_000
+
+
+def test_syscall_names_from_the_c_header(tmp_path):
+    h = tmp_path / "unistd_64.h"
+    h.write_text("#define __NR_read 0\n#define __NR_write 1\n#define __NR_sched_yield 24\n#define __NR_getpid 39\n")
+    names = overhead.syscall_names(str(h))
+    assert names == {0: "read", 1: "write", 24: "sched_yield", 39: "getpid"}
+    assert overhead.syscall_names(str(tmp_path / "none")) == {}
+
+
+@pytest.mark.skipif(overhead.syscall_names().get(24) != "sched_yield", reason="needs x86_64's unistd_64.h")
+def test_top_calls_per_second_and_the_yields():
+    by_nr = {24: 3000, 0: 200, 1: 400, 39: 100}
+    assert overhead.top_syscalls(by_nr, 2.0, n=3) == {"sched_yield": 1500, "write": 200, "read": 100}
+    assert overhead.yields(by_nr) == 3000 and overhead.yields({0: 5}) == 0
