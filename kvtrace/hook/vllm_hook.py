@@ -74,6 +74,9 @@ _ON = False  # engine records wanted (set per step from T.enabled)
 class _Engine:
     """EngineCore state, reset whenever the agent goes away."""
 
+    __slots__ = ("on", "step", "cur_req", "last_alloc", "reqs", "alloc", "steps", "evicted", "ev",
+                 "alloc_failures", "broken", "seen_check", "agent_pid")
+
     def __init__(self):
         self.reset()
 
@@ -369,7 +372,7 @@ _DECODING = [-1, -1, 0]  # S.reqs' entry of a request past its prefill (until pr
 def _after_schedule(sched, so, t0: int, t1: int) -> None:
     step = S.step = sched.current_step
     requests = sched.requests
-    new_ids = {r.req_id for r in so.scheduled_new_reqs}
+    new_ids = {r.req_id for r in so.scheduled_new_reqs} if so.scheduled_new_reqs else ()
     resumed_ids = so.scheduled_cached_reqs.resumed_req_ids
     tracked, alloc = S.reqs, S.alloc
     prefill_reqs = prefill_tokens = n_new = n_resumed = 0
@@ -468,7 +471,8 @@ def _wrap_update_from_output(orig):
                 now = time.monotonic_ns()
                 if info is not None:
                     _enqueue(("step", info[0], info[1], info[2], now) + info[3:])
-                if now - _last["flush"] >= FLUSH_EVERY_NS or len(_Q) >= FLUSH_RECORDS or _idle(self):
+                # (a request still running: not idle, without asking vLLM's three nested calls)
+                if now - _last["flush"] >= FLUSH_EVERY_NS or len(_Q) >= FLUSH_RECORDS or (not self.running and _idle(self)):
                     _flush(now)
             except Exception as e:
                 T.error(e)
