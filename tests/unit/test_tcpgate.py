@@ -77,6 +77,8 @@ def test_gate_leaves_it_attached_when_a_socket_exists_and_counts_failures(tmp_pa
     assert bpf.calls == [] and gate.attached and gate.attached_ns == 0
     gate.wake()
     assert bpf.calls == []
+    gate = tcpgate.TcpProbeGate(FakeBPF(), [4420], str(tmp_path / "no-proc"))   # cannot tell: left on
+    assert gate.attached and gate.bpf.calls == []
     bad = FakeBPF(fail_attach=True)
     gate = tcpgate.TcpProbeGate(bad, [4420], fake_proc(tmp_path / "b", {"1": {"tcp": HTTP}}))
     gate.wake()
