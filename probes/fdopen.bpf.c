@@ -117,3 +117,53 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close)   { return kv_fd_gone(args->fd, KV_F
 TRACEPOINT_PROBE(syscalls, sys_enter_dup2)    { return kv_fd_gone(args->newfd, KV_FD_DUP, args->oldfd); }
 TRACEPOINT_PROBE(syscalls, sys_enter_dup3)    { return kv_fd_gone(args->newfd, KV_FD_DUP, args->oldfd); }
 #endif
+
+#ifdef KV_FD_SKIP
+/* Numbers born as sockets, eventfds, timerfds, signalfds or epoll instances: skipped from
+ * their first read or write.  Without this the kernel learns what a number is only once user
+ * space has seen a row of it and asked /proc, at the next flush (kvtrace/capture/fdskip.py),
+ * and an HTTP connection that serves one request is closed by then: all its writes traced.
+ * A number from anything else (pipes, socketpair, dup, numbers open before the attach) is
+ * still learnt that way.  Any close, dup onto, or open returning the number takes it out. */
+static __always_inline int kv_fd_born_skipped(s64 ret)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (ret < 0 || !kv_is_target(id >> 32))
+        return 0;
+    struct kv_fd_key k = kv_fd_key(id >> 32, ret);
+    u8 one = 1;
+    fd_skip.update(&k, &one);
+    return 0;
+}
+
+#ifdef KV_BORN_ACCEPT
+TRACEPOINT_PROBE(syscalls, sys_exit_accept)         { return kv_fd_born_skipped(args->ret); }
+#endif
+#ifdef KV_BORN_ACCEPT4
+TRACEPOINT_PROBE(syscalls, sys_exit_accept4)        { return kv_fd_born_skipped(args->ret); }
+#endif
+#ifdef KV_BORN_SOCKET
+TRACEPOINT_PROBE(syscalls, sys_exit_socket)         { return kv_fd_born_skipped(args->ret); }
+#endif
+#ifdef KV_BORN_EVENTFD
+TRACEPOINT_PROBE(syscalls, sys_exit_eventfd)        { return kv_fd_born_skipped(args->ret); }
+#endif
+#ifdef KV_BORN_EVENTFD2
+TRACEPOINT_PROBE(syscalls, sys_exit_eventfd2)       { return kv_fd_born_skipped(args->ret); }
+#endif
+#ifdef KV_BORN_TIMERFD_CREATE
+TRACEPOINT_PROBE(syscalls, sys_exit_timerfd_create) { return kv_fd_born_skipped(args->ret); }
+#endif
+#ifdef KV_BORN_SIGNALFD
+TRACEPOINT_PROBE(syscalls, sys_exit_signalfd)       { return kv_fd_born_skipped(args->ret); }
+#endif
+#ifdef KV_BORN_SIGNALFD4
+TRACEPOINT_PROBE(syscalls, sys_exit_signalfd4)      { return kv_fd_born_skipped(args->ret); }
+#endif
+#ifdef KV_BORN_EPOLL_CREATE
+TRACEPOINT_PROBE(syscalls, sys_exit_epoll_create)   { return kv_fd_born_skipped(args->ret); }
+#endif
+#ifdef KV_BORN_EPOLL_CREATE1
+TRACEPOINT_PROBE(syscalls, sys_exit_epoll_create1)  { return kv_fd_born_skipped(args->ret); }
+#endif
+#endif

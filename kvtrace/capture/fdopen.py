@@ -33,6 +33,11 @@ AT_FDCWD = -100
 OP_OPEN, OP_CLOSE, OP_DUP = 0, 1, 2   # KV_FD_*
 
 
+# system calls whose result is a new descriptor that is never a file (probes/fdopen.bpf.c)
+BORN_NOT_FILES = ("accept", "accept4", "socket", "eventfd", "eventfd2", "timerfd_create", "signalfd", "signalfd4",
+                  "epoll_create", "epoll_create1")
+
+
 def config(tp) -> tuple[list[str], str | None]:
     if not (tp("syscalls", "sys_enter_openat") and tp("syscalls", "sys_exit_openat")):
         return [], "syscalls:sys_enter/exit_openat missing: paths only from /proc at attach"
@@ -43,6 +48,8 @@ def config(tp) -> tuple[list[str], str | None]:
         flags.append("-DKV_HAVE_OPENAT2")
     if tp("syscalls", "sys_enter_open"):
         flags.append("-DKV_HAVE_OPEN")
+    # numbers born not files, skipped from their first call where the fileio probe skips (KV_FD_SKIP)
+    flags += [f"-DKV_BORN_{c.upper()}" for c in BORN_NOT_FILES if tp("syscalls", f"sys_exit_{c}")]
     return flags, None
 
 
