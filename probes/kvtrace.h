@@ -84,8 +84,9 @@ static __always_inline int kv_is_target(u32 tgid)
 
 #ifdef KV_FD_SKIP
 /* File descriptors of traced processes that are not files (sockets, pipes, eventfds, epoll
- * and timer fds: a serving process reads and writes them all the time), put here by user
- * space once /proc says what they are (kvtrace/capture/fdskip.py); fileio.bpf.c skips their
+ * and timer fds: a serving process reads and writes them all the time), put here by
+ * fdopen.bpf.c when a call that makes one returns it, else by user space once /proc says what
+ * they are (kvtrace/capture/fdskip.py); fileio.bpf.c skips their
  * reads and writes.  Any close, dup onto, or open returning the number takes it out, so a
  * file opened on a reused number is traced.  LRU: an eviction only means tracing again. */
 struct kv_fd_key {

@@ -7,7 +7,9 @@ of it is storage.  When a decoded file_io row's descriptor resolves to one of th
 (pid, fd) goes into the probe's ``fd_skip`` map, and from then on the kernel does not even
 time those calls.  The kernel takes the number out on close, dup2/dup3 onto it, or an open
 returning it (kvtrace.h).  /proc is asked right before and right after the insert, so a
-number closed and reopened as a file in between is taken out again at once.
+number closed and reopened as a file in between is taken out again at once.  Numbers a traced
+process makes with accept, socket, eventfd, timerfd_create, signalfd or epoll_create are put
+in the map by the kernel itself as they are made (probes/fdopen.bpf.c); this covers the rest.
 """
 from __future__ import annotations
 
