@@ -27,6 +27,7 @@ Nothing here asserts a speed.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -190,6 +191,7 @@ def server_syscalls():
     return BPF(text=COUNT_SYSCALLS)
 
 
+@functools.lru_cache(maxsize=4)
 def syscall_names(header: str = "/usr/include/x86_64-linux-gnu/asm/unistd_64.h") -> dict[int, str]:
     """{number: name} of this machine's system calls, from the C library's header ({} without it)."""
     try:
