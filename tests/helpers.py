@@ -62,7 +62,12 @@ def post_completion(url: str, model: str, prompt, request_id: str, max_tokens: i
         return json.loads(r.read())
 
 
+def dev_post(url: str, path: str) -> None:
+    """POST to one of vLLM's dev-mode endpoints (the server runs with VLLM_SERVER_DEV_MODE=1)."""
+    req = urllib.request.Request(f"{url}{path}", method="POST", data=b"")
+    urllib.request.urlopen(req, timeout=60).read()
+
+
 def reset_prefix_cache(url: str) -> None:
     """Empty vLLM's prefix cache (POST /reset_prefix_cache)."""
-    req = urllib.request.Request(f"{url}/reset_prefix_cache", method="POST", data=b"")
-    urllib.request.urlopen(req, timeout=60).read()
+    dev_post(url, "/reset_prefix_cache")

@@ -19,7 +19,9 @@ and on any GIL-contended interpreter: caught in the GIL's own wait, resumed thro
 restart_syscall after the interrupt, PyGILState_Ensure waited for the GIL forever).  So a
 stop counts only if it is not a futex on a lock of libc, libpython or the executable (the GIL,
 its mutexes, malloc's arena locks live there; Python-level locks live on the heap), not a
-memory-mapping call (malloc holds its arena lock around them), not restart_syscall (the
+memory-mapping call (malloc holds its arena lock around them), not a clock read (where the
+vDSO cannot serve the clock it is a system call, and CPython's timed GIL wait reads the clock
+holding the GIL's mutex, which PyGILState_Ensure then waits on forever), not restart_syscall (the
 resumption of a timed wait that the interrupt broke, whose target is unknown) and not the
 hook's own marker write (made under the hook's lock).  Waits for the target are bounded by the timeout.
 """
@@ -46,6 +48,7 @@ ENOSYS = 38
 SYS_WRITE, SYS_FUTEX, SYS_FUTEX_WAITV = 1, 202, 449
 SYS_RESTART = 219  # restart_syscall: resumes a timed wait our interrupt broke, which may be the GIL's
 SYS_MEMORY = {9, 10, 11, 12, 25, 28}  # mmap mprotect munmap brk mremap madvise: malloc may hold a lock
+SYS_CLOCK = {96, 201, 228}            # gettimeofday time clock_gettime: the GIL's mutex may be held
 MARKER_FD = -4242 & 0xFFFFFFFF        # the hook's marker write (kvtrace/hook/transport.py), under its lock
 FIELDS = ("r15 r14 r13 r12 rbp rbx r11 r10 r9 r8 rax rcx rdx rsi rdi orig_rax rip cs eflags rsp ss "
           "fs_base gs_base ds es fs gs").split()
@@ -75,6 +78,7 @@ class Tracee:
         self.pid = pid
         self.pending: list[int] = []  # signals that arrived during our calls, re-sent at detach
         self._areas: list[tuple[int, int]] | None = None
+        self.entry_nr = -1  # the system call of the safe point
         try:
             _ptrace(PTRACE_SEIZE, pid, None, ctypes.c_void_p(PTRACE_O_TRACESYSGOOD))
         except OSError as e:
@@ -123,7 +127,7 @@ class Tracee:
 
     def safe_point(self, r: Regs) -> bool:
         nr = r.orig_rax
-        if nr in SYS_MEMORY or nr == SYS_RESTART:
+        if nr in SYS_MEMORY or nr in SYS_CLOCK or nr == SYS_RESTART:
             return False
         if nr == SYS_WRITE and r.rdi & 0xFFFFFFFF == MARKER_FD:
             return False
@@ -178,6 +182,7 @@ class Tracee:
                 r = self.regs()
                 if r.rax == (1 << 64) - ENOSYS and self.read(r.rip - 2, 2) == b"\x0f\x05":
                     if self.safe_point(r):
+                        self.entry_nr = r.orig_rax
                         return r  # syscall-enter-stop right after a `syscall` instruction
                     continue      # inside a lock the injected call may need: on to the next one
                 continue  # syscall-exit-stop: go on to the next entry
@@ -185,7 +190,18 @@ class Tracee:
                 continue
             sig = stopsig  # a real signal: deliver it and keep looking
 
-    def call(self, func: int, args: tuple[int, ...], stack_top: int, timeout: float) -> int:
+    def where(self) -> str:
+        """Where the (running) thread is: its system call and kernel wait, for a timeout's message."""
+        try:
+            call = open(f"/proc/{self.pid}/task/{self.pid}/syscall").read().split()
+            wchan = open(f"/proc/{self.pid}/task/{self.pid}/wchan").read().strip() or "-"
+        except OSError:
+            return "unknown"
+        if not call or not call[0].lstrip("-").isdigit():
+            return "running"
+        return f"in system call {call[0]} ({' '.join(call[1:3])}), waiting in {wchan}"
+
+    def call(self, func: int, args: tuple[int, ...], stack_top: int, timeout: float, name: str = "") -> int:
         """Call func(*args) on a scratch stack below stack_top; returns rax."""
         r = self.regs().copy()
         sp = (stack_top & ~0xF) - 8  # at entry, (rsp + 8) % 16 == 0
@@ -200,10 +216,12 @@ class Tracee:
             _ptrace(PTRACE_CONT, self.pid, None, ctypes.c_void_p(sig))
             status = self._wait(deadline)
             if status is None:  # stuck in the call: stop the thread, so run_code can put it back
+                where = self.where()
                 _ptrace(PTRACE_INTERRUPT, self.pid)
                 if self._wait(time.monotonic() + 5) is None:
                     self.attached = False  # cannot stop it again: leave it to the kernel at our exit
-                raise TargetError(f"the injected call in {self.pid} did not return within {timeout:.0f}s: abandoned")
+                raise TargetError(f"the injected {name or 'call'} in {self.pid} did not return within {timeout:.0f}s "
+                                  f"({where}; caught at system call {self.entry_nr}): abandoned")
             sig = os.WSTOPSIG(status)
             if sig == signal.SIGSEGV and self.regs().rip == 0:
                 return self.regs().rax
@@ -246,9 +264,9 @@ def run_code(pid: int, code: str, timeout: float = 10.0) -> int:
         text_at = (saved.rsp - 128 - 4096) & ~0xF  # below the red zone
         stack_top = text_at - 256
         t.write(text_at, src)
-        gstate = t.call(addrs["PyGILState_Ensure"], (), stack_top, timeout) & 0xFFFFFFFF
-        rc = t.call(addrs["PyRun_SimpleStringFlags"], (text_at, 0), stack_top, timeout) & 0xFFFFFFFF
-        t.call(addrs["PyGILState_Release"], (gstate,), stack_top, timeout)
+        gstate = t.call(addrs["PyGILState_Ensure"], (), stack_top, timeout, "PyGILState_Ensure") & 0xFFFFFFFF
+        rc = t.call(addrs["PyRun_SimpleStringFlags"], (text_at, 0), stack_top, timeout, "PyRun_SimpleStringFlags") & 0xFFFFFFFF
+        t.call(addrs["PyGILState_Release"], (gstate,), stack_top, timeout, "PyGILState_Release")
         return -1 if rc == 0xFFFFFFFF else rc
     finally:
         if saved is not None and t.attached:

@@ -19,5 +19,7 @@ def test_safe_points():
     assert not t.safe_point(regs(ptrace.SYS_FUTEX, 0x1800))  # the GIL's futex
     assert not t.safe_point(regs(ptrace.SYS_RESTART))   # resumes an unknown wait
     assert not t.safe_point(regs(12))                   # brk: malloc holds its arena lock
+    assert not t.safe_point(regs(228))                  # clock_gettime off the vDSO: the GIL's mutex may be held
+    assert not t.safe_point(regs(96))                   # gettimeofday, the same
     assert not t.safe_point(regs(ptrace.SYS_WRITE, -4242 & (2**64 - 1)))  # the hook's marker write
     assert t.safe_point(regs(ptrace.SYS_WRITE, 1))

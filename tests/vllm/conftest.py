@@ -108,6 +108,7 @@ def hooked_server(tmp_path_factory):
         args=[*SERVER_ARGS, "--kv-events-config", json.dumps(kv_events)],
         port=free_port(avoid=(zport,)),
         workdir=tmp_path_factory.mktemp("vllm"),
+        env={"VLLM_SERVER_DEV_MODE": "1"},  # /pause and /resume, to queue a burst at once
     )
     try:
         server.start()
