@@ -119,12 +119,13 @@ TRACEPOINT_PROBE(syscalls, sys_enter_dup3)    { return kv_fd_gone(args->newfd, K
 #endif
 
 #ifdef KV_FD_SKIP
-/* Numbers born as sockets, eventfds, timerfds, signalfds or epoll instances: skipped from
- * their first read or write.  Without this the kernel learns what a number is only once user
- * space has seen a row of it and asked /proc, at the next flush (kvtrace/capture/fdskip.py),
- * and an HTTP connection that serves one request is closed by then: all its writes traced.
- * A number from anything else (pipes, socketpair, dup, numbers open before the attach) is
- * still learnt that way.  Any close, dup onto, or open returning the number takes it out. */
+/* Numbers born as sockets, eventfds, timerfds, signalfds, epoll instances, pipes or socket
+ * pairs: skipped from their first read or write.  Without this the kernel learns what a number
+ * is only once user space has seen a row of it and asked /proc, at the next flush
+ * (kvtrace/capture/fdskip.py), and an HTTP connection that serves one request is closed by then:
+ * all its writes traced.  Numbers open before the attach are put in by user space as it starts;
+ * a number from anything else (dup, fcntl, a descriptor passed over a socket) is still learnt
+ * from its rows.  Any close, dup onto, or open returning the number takes it out. */
 static __always_inline int kv_fd_born_skipped(s64 ret)
 {
     u64 id = bpf_get_current_pid_tgid();
@@ -165,5 +166,49 @@ TRACEPOINT_PROBE(syscalls, sys_exit_epoll_create)   { return kv_fd_born_skipped(
 #endif
 #ifdef KV_BORN_EPOLL_CREATE1
 TRACEPOINT_PROBE(syscalls, sys_exit_epoll_create1)  { return kv_fd_born_skipped(args->ret); }
+#endif
+
+/* pipe, pipe2 and socketpair return their two numbers through a user array: remembered at
+ * entry, read at exit (the kernel has just written it). */
+#ifdef KV_BORN_PAIRS
+BPF_TABLE("lru_hash", u32, u64, pair_start, 4096);
+
+static __always_inline int kv_pair_enter(const int *fds)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!kv_is_target(id >> 32))
+        return 0;
+    u32 tid = (u32)id;
+    u64 ptr = (u64)fds;
+    pair_start.update(&tid, &ptr);
+    return 0;
+}
+
+static __always_inline int kv_pair_exit(s64 ret)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = (u32)id;
+    u64 *p = pair_start.lookup(&tid);
+    if (!p)
+        return 0;
+    u64 ptr = *p;
+    pair_start.delete(&tid);
+    int fds[2] = {};
+    if (ret < 0 || bpf_probe_read_user(fds, sizeof(fds), (const void *)ptr) < 0)
+        return 0;
+    u8 one = 1;
+    struct kv_fd_key k = kv_fd_key(id >> 32, fds[0]);
+    fd_skip.update(&k, &one);
+    k = kv_fd_key(id >> 32, fds[1]);
+    fd_skip.update(&k, &one);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_pipe)       { return kv_pair_enter(args->fildes); }
+TRACEPOINT_PROBE(syscalls, sys_exit_pipe)        { return kv_pair_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_enter_pipe2)      { return kv_pair_enter(args->fildes); }
+TRACEPOINT_PROBE(syscalls, sys_exit_pipe2)       { return kv_pair_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_enter_socketpair) { return kv_pair_enter(args->usockvec); }
+TRACEPOINT_PROBE(syscalls, sys_exit_socketpair)  { return kv_pair_exit(args->ret); }
 #endif
 #endif

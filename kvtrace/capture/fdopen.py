@@ -36,6 +36,8 @@ OP_OPEN, OP_CLOSE, OP_DUP = 0, 1, 2   # KV_FD_*
 # system calls whose result is a new descriptor that is never a file (probes/fdopen.bpf.c)
 BORN_NOT_FILES = ("accept", "accept4", "socket", "eventfd", "eventfd2", "timerfd_create", "signalfd", "signalfd4",
                   "epoll_create", "epoll_create1")
+# ... and those returning two through a user array, read at exit
+BORN_PAIRS = ("pipe", "pipe2", "socketpair")
 
 
 def config(tp) -> tuple[list[str], str | None]:
@@ -50,6 +52,8 @@ def config(tp) -> tuple[list[str], str | None]:
         flags.append("-DKV_HAVE_OPEN")
     # numbers born not files, skipped from their first call where the fileio probe skips (KV_FD_SKIP)
     flags += [f"-DKV_BORN_{c.upper()}" for c in BORN_NOT_FILES if tp("syscalls", f"sys_exit_{c}")]
+    if all(tp("syscalls", f"sys_{end}_{c}") for c in BORN_PAIRS for end in ("enter", "exit")):
+        flags.append("-DKV_BORN_PAIRS")
     return flags, None
 
 

@@ -8,8 +8,10 @@ of it is storage.  When a decoded file_io row's descriptor resolves to one of th
 time those calls.  The kernel takes the number out on close, dup2/dup3 onto it, or an open
 returning it (kvtrace.h).  /proc is asked right before and right after the insert, so a
 number closed and reopened as a file in between is taken out again at once.  Numbers a traced
-process makes with accept, socket, eventfd, timerfd_create, signalfd or epoll_create are put
-in the map by the kernel itself as they are made (probes/fdopen.bpf.c); this covers the rest.
+process makes with accept, socket, eventfd, timerfd_create, signalfd, epoll_create, pipe or
+socketpair are put in the map by the kernel itself as they are made (probes/fdopen.bpf.c), and
+those open at the attach by ``seed`` as capture starts; rows cover the rest (dup, fcntl,
+descriptors passed over a socket).
 """
 from __future__ import annotations
 
@@ -59,6 +61,19 @@ class FdSkip:
             return
         self.c["skipped_fds"] += 1
 
+    def seed(self, pids) -> None:
+        """Put in the descriptors of pids that are not files now, before their first row."""
+        for pid in pids:
+            try:
+                fds = os.listdir(f"/proc/{pid}/fd")
+            except OSError:
+                continue
+            before = self.c["skipped_fds"]
+            for name in fds:
+                if name.isdigit():
+                    self(pid, int(name))
+            self.c["seeded_fds"] += self.c["skipped_fds"] - before
+
     def drain(self) -> dict:
         return {}
 
@@ -69,8 +84,10 @@ class FdSkip:
         """Nothing to release: the map belongs to the BPF program."""
 
 
-def start(pipeline, source) -> FdSkip | None:
-    """When the fileio probe skips descriptors (KV_FD_SKIP), let its decoder tell it which."""
+def start(pipeline, source, running: list[int]) -> FdSkip | None:
+    """When the fileio probe skips descriptors (KV_FD_SKIP), let its decoder tell it which, and
+    put in now those of the running processes named (not a command kvtrace starts: until its
+    exec it holds the agent's own descriptors, which it then closes with close_range, unseen)."""
     try:
         table = source.bpf["fd_skip"]
     except Exception:   # no bcc source, fileio not attached, or --trace-nonfile-fds
@@ -78,4 +95,8 @@ def start(pipeline, source) -> FdSkip | None:
     skip = FdSkip(table)
     pipeline.ctx.skip_fd = skip
     pipeline.add_sidecar(skip)
+    try:
+        skip.seed(running)
+    except Exception:   # never stops the capture: rows still teach the map
+        skip.c["map_errors"] += 1
     return skip

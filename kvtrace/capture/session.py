@@ -85,7 +85,7 @@ def run(cap: Capture, echo) -> tuple[object, str]:
         raw = open(cap.raw_out, "wb") if cap.raw_out else None
         pipeline = Pipeline(source, plan, writer, pids, command=" ".join(cap.command), raw_out=raw,
                             fresh_pids=(gated.pid,) if gated else (), release_startup=memory.trimming())
-        fdskip.start(pipeline, source)   # sockets, pipes, eventfds: skipped in the kernel
+        fdskip.start(pipeline, source, list(cap.pids))   # sockets, pipes, eventfds: skipped in the kernel
         if cap.otlp:
             from kvtrace.otlp.sink import OtlpSink
 

@@ -67,3 +67,28 @@ def test_only_descriptors_proc_says_are_not_files_before_and_after_the_insert():
     assert t == {(1, 3): 1} and skip.stats() == {"skipped_fds": 1, "undone": 1}
     assert [fdskip.not_a_file(p) for p in ("socket:[1]", "pipe:[2]", "anon_inode:[eventfd]", "/dev/shm/x", "")] == [
         True, True, True, False, False]
+
+
+def test_seed_puts_in_the_descriptors_open_at_the_attach_that_proc_says_are_not_files(tmp_path):
+    import os
+    import socket
+
+    r, w = os.pipe()
+    a, b = socket.socketpair()
+    ev = os.eventfd(0)
+    f = open(tmp_path / "kv.bin", "wb")
+    try:
+        t = Table()
+        skip = fdskip.FdSkip(t)                # /proc itself is asked
+        skip.seed([os.getpid(), 2 ** 22 + 1])  # the second pid does not exist: nothing from it
+        me = os.getpid()
+        for fd in (r, w, a.fileno(), b.fileno(), ev):
+            assert (me, fd) in t, fd
+        assert (me, f.fileno()) not in t
+        theirs = {fd for (pid, fd) in t}
+        assert all(fdskip.not_a_file(os.readlink(f"/proc/{me}/fd/{fd}")) for fd in theirs)   # only those
+        assert skip.stats()["seeded_fds"] == len(t)
+    finally:
+        for fd in (r, w, ev):
+            os.close(fd)
+        a.close(), b.close(), f.close()
