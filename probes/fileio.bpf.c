@@ -40,6 +40,11 @@ struct kv_fileio_event {
 };
 
 BPF_TABLE("lru_hash", u32, struct kv_sys_start, sys_start, KV_MAX_INFLIGHT);
+/* Calls in sys_start not yet taken out by their exit.  Most exits a serving process makes are
+ * of calls skipped at entry (its sockets and eventfds), and with nothing in flight they return
+ * without a hash lookup.  Only ever too high (an entry the LRU dropped, a thread gone mid-call):
+ * then exits look up as before. */
+BPF_ARRAY(sys_inflight, s64, 1);
 
 static __always_inline int kv_sys_enter(u32 sys, s64 fd, u64 count, s64 pos)
 {
@@ -60,7 +65,14 @@ static __always_inline int kv_sys_enter(u32 sys, s64 fd, u64 count, s64 pos)
     s.count = count;
     s.pos = pos;
     s.sys = sys;
-    sys_start.update(&tid, &s);
+    if (sys_start.insert(&tid, &s) == 0) {
+        int zero = 0;
+        s64 *n = sys_inflight.lookup(&zero);
+        if (n)
+            __sync_fetch_and_add(n, 1);
+    } else {
+        sys_start.update(&tid, &s);   /* an exit the kernel did not run: this call takes its place */
+    }
     return 0;
 }
 
@@ -68,11 +80,16 @@ static __always_inline int kv_sys_exit(s64 ret)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 tid = (u32)id;
+    int zero = 0;
+    s64 *n = sys_inflight.lookup(&zero);
+    if (n && *n <= 0)
+        return 0;
     struct kv_sys_start *s = sys_start.lookup(&tid);
     if (!s)
         return 0;
     struct kv_sys_start st = *s;
-    sys_start.delete(&tid);
+    if (sys_start.delete(&tid) == 0 && n)
+        __sync_fetch_and_add(n, -1);
     u64 now = bpf_ktime_get_ns();
     int vector = st.sys == KV_SYS_READV || st.sys == KV_SYS_PREADV || st.sys == KV_SYS_PREADV2 ||
                  st.sys == KV_SYS_WRITEV || st.sys == KV_SYS_PWRITEV || st.sys == KV_SYS_PWRITEV2;
