@@ -126,14 +126,18 @@ TRACEPOINT_PROBE(syscalls, sys_enter_dup3)    { return kv_fd_gone(args->newfd, K
  * all its writes traced.  Numbers open before the attach are put in by user space as it starts;
  * a number from anything else (dup, fcntl, a descriptor passed over a socket) is still learnt
  * from its rows.  Any close, dup onto, or open returning the number takes it out. */
+static __always_inline void kv_fd_mark(u32 tgid, s64 fd)
+{
+    struct kv_fd_key k = kv_fd_key(tgid, fd);
+    u8 one = 1;
+    fd_skip.update(&k, &one);
+}
+
 static __always_inline int kv_fd_born_skipped(s64 ret)
 {
     u64 id = bpf_get_current_pid_tgid();
-    if (ret < 0 || !kv_is_target(id >> 32))
-        return 0;
-    struct kv_fd_key k = kv_fd_key(id >> 32, ret);
-    u8 one = 1;
-    fd_skip.update(&k, &one);
+    if (ret >= 0 && kv_is_target(id >> 32))
+        kv_fd_mark(id >> 32, ret);
     return 0;
 }
 
@@ -196,11 +200,8 @@ static __always_inline int kv_pair_exit(s64 ret)
     int fds[2] = {};
     if (ret < 0 || bpf_probe_read_user(fds, sizeof(fds), (const void *)ptr) < 0)
         return 0;
-    u8 one = 1;
-    struct kv_fd_key k = kv_fd_key(id >> 32, fds[0]);
-    fd_skip.update(&k, &one);
-    k = kv_fd_key(id >> 32, fds[1]);
-    fd_skip.update(&k, &one);
+    kv_fd_mark(id >> 32, fds[0]);
+    kv_fd_mark(id >> 32, fds[1]);
     return 0;
 }
 

@@ -43,23 +43,25 @@ class FdSkip:
         self.current = current
         self.c = Counter()
 
-    def __call__(self, pid: int, fd: int) -> None:
+    def __call__(self, pid: int, fd: int) -> bool:
+        """True when the number is now skipped."""
         if not not_a_file(self.current(pid, fd)):
-            return   # closed, or reused for a file, since the event: keep tracing it
+            return False   # closed, or reused for a file, since the event: keep tracing it
         key = self.t.Key(pid, fd)
         try:
             self.t[key] = self.t.Leaf(1)
         except Exception:
             self.c["map_errors"] += 1
-            return
+            return False
         if not not_a_file(self.current(pid, fd)):
             try:
                 del self.t[key]
             except Exception:
                 pass
             self.c["undone"] += 1
-            return
+            return False
         self.c["skipped_fds"] += 1
+        return True
 
     def seed(self, pids) -> None:
         """Put in the descriptors of pids that are not files now, before their first row."""
@@ -68,11 +70,7 @@ class FdSkip:
                 fds = os.listdir(f"/proc/{pid}/fd")
             except OSError:
                 continue
-            before = self.c["skipped_fds"]
-            for name in fds:
-                if name.isdigit():
-                    self(pid, int(name))
-            self.c["seeded_fds"] += self.c["skipped_fds"] - before
+            self.c["seeded_fds"] += sum(self(pid, int(name)) for name in fds if name.isdigit())
 
     def drain(self) -> dict:
         return {}
