@@ -16,14 +16,11 @@ interrupted system call simply runs again, and detaches.  Other threads never st
 Not every system call is a safe point: the thread may be inside the interpreter's GIL hand-over
 or inside malloc, in a state the injected call then waits on forever (seen on a vLLM EngineCore
 and on any GIL-contended interpreter: caught in the GIL's own wait, resumed through
-restart_syscall after the interrupt, PyGILState_Ensure waited for the GIL forever).  So a
-stop counts only if it is not a futex on a lock of libc, libpython or the executable (the GIL,
-its mutexes, malloc's arena locks live there; Python-level locks live on the heap), not a
-memory-mapping call (malloc holds its arena lock around them), not a clock read (where the
-vDSO cannot serve the clock it is a system call, and CPython's timed GIL wait reads the clock
-holding the GIL's mutex, which PyGILState_Ensure then waits on forever), not restart_syscall (the
-resumption of a timed wait that the interrupt broke, whose target is unknown) and not the
-hook's own marker write (made under the hook's lock).  Waits for the target are bounded by the timeout.
+restart_syscall after the interrupt, or at gettid or rt_sigprocmask, the injected call waited
+for the GIL forever).  So only waits and I/O count (SYS_WAITS), which CPython makes with the GIL
+released: not a futex on a lock of libc, libpython or the executable (the GIL, its mutexes,
+malloc's arena locks live there; Python-level locks live on the heap), and not the hook's own
+marker write (made under the hook's lock).  Waits for the target are bounded by the timeout.
 """
 from __future__ import annotations
 
@@ -47,8 +44,14 @@ WALL = 0x40000000
 ENOSYS = 38
 SYS_WRITE, SYS_FUTEX, SYS_FUTEX_WAITV = 1, 202, 449
 SYS_RESTART = 219  # restart_syscall: resumes a timed wait our interrupt broke, which may be the GIL's
-SYS_MEMORY = {9, 10, 11, 12, 25, 28}  # mmap mprotect munmap brk mremap madvise: malloc may hold a lock
-SYS_CLOCK = {96, 201, 228}            # gettimeofday time clock_gettime: the GIL's mutex may be held
+# The only system calls that count: waits and I/O, which CPython makes with the GIL released
+# and no lock of its own held.  Anything else may sit inside the interpreter's or libc's
+# critical sections: caught at gettid (CI) or rt_sigprocmask, the injected PyRun waited on the
+# GIL's futex for good; malloc holds its arena lock around mmap and brk; CPython's timed GIL
+# wait reads the clock (a system call where the vDSO cannot serve it) holding the GIL's mutex.
+SYS_WAITS = {0, 1, 7, 19, 20, 23, 24, 35, 44, 45, 46, 47, SYS_FUTEX, 230, 232, 270, 271, 281, 441, SYS_FUTEX_WAITV}
+# read write poll readv writev select sched_yield nanosleep sendto recvfrom sendmsg recvmsg futex
+# clock_nanosleep epoll_wait pselect6 ppoll epoll_pwait epoll_pwait2 futex_waitv
 MARKER_FD = -4242 & 0xFFFFFFFF        # the hook's marker write (kvtrace/hook/transport.py), under its lock
 FIELDS = ("r15 r14 r13 r12 rbp rbx r11 r10 r9 r8 rax rcx rdx rsi rdi orig_rax rip cs eflags rsp ss "
           "fs_base gs_base ds es fs gs").split()
@@ -127,7 +130,7 @@ class Tracee:
 
     def safe_point(self, r: Regs) -> bool:
         nr = r.orig_rax
-        if nr in SYS_MEMORY or nr in SYS_CLOCK or nr == SYS_RESTART:
+        if nr not in SYS_WAITS:
             return False
         if nr == SYS_WRITE and r.rdi & 0xFFFFFFFF == MARKER_FD:
             return False

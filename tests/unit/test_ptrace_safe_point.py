@@ -21,5 +21,8 @@ def test_safe_points():
     assert not t.safe_point(regs(12))                   # brk: malloc holds its arena lock
     assert not t.safe_point(regs(228))                  # clock_gettime off the vDSO: the GIL's mutex may be held
     assert not t.safe_point(regs(96))                   # gettimeofday, the same
+    assert not t.safe_point(regs(186))                  # gettid: caught there in CI, PyRun then hung on the GIL
+    assert not t.safe_point(regs(14))                   # rt_sigprocmask, the same here
+    assert t.safe_point(regs(232)) and t.safe_point(regs(24))   # epoll_wait, sched_yield
     assert not t.safe_point(regs(ptrace.SYS_WRITE, -4242 & (2**64 - 1)))  # the hook's marker write
     assert t.safe_point(regs(ptrace.SYS_WRITE, 1))
