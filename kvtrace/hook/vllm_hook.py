@@ -30,12 +30,14 @@ import threading
 import time
 
 try:
+    from kvtrace.hook.exact import exact, why_not
     from kvtrace.hook.transport import Transport, agent_pids, owner_live
     from kvtrace.hook.wire import CODEC, EVICTS_MAX
 except ImportError:  # imported from a path where kvtrace is not installed: use the sibling files
     _root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, _root)
     try:
+        from kvtrace.hook.exact import exact, why_not
         from kvtrace.hook.transport import Transport, agent_pids, owner_live
         from kvtrace.hook.wire import CODEC, EVICTS_MAX
     finally:
@@ -58,6 +60,7 @@ API_FLUSH_AFTER_NS = 200_000_000  # kv_transfer() flushes itself when no step en
 M64 = (1 << 64) - 1
 
 log = logging.getLogger("vllm.kvtrace_hook")
+_monotonic_ns = time.monotonic_ns
 
 # The transport: one per process, shared by every wrapper and by kvtrace.hook.api.
 T = Transport()
@@ -330,40 +333,46 @@ def _refresh() -> bool:
     return on
 
 
-def _wrap_schedule(orig):
-    monotonic_ns = time.monotonic_ns
+def _nothing(self, t) -> None:
+    """abort: nothing to undo when vLLM's method raised."""
 
-    def schedule(self, *args, **kwargs):
+
+def _schedule_pre(self):
+    """Scheduler.schedule: its start time when this step is recorded, else None."""
+    try:
         # the flag is re-read at most once per second; otherwise one clock read and two tests
-        t0 = monotonic_ns()
+        t0 = _monotonic_ns()
         if not (_refresh() if t0 >= T.next_check else T.enabled):
             if S.on:
                 _engine_off()
             if _HOT_IN[0]:
                 _hot(False)
-            return orig(self, *args, **kwargs)
+            return None
         if not S.on:
             _engine_on(self)
-            t0 = monotonic_ns()
+            t0 = _monotonic_ns()
         elif T.next_check != S.seen_check and _new_agent(S):
             _hook_start("engine")
-            t0 = monotonic_ns()
+            t0 = _monotonic_ns()
         if S.broken:
-            return orig(self, *args, **kwargs)
+            return None
         S.step = self.current_step + 1
         S.cur_req = S.last_alloc = ""
         S.evicted = S.alloc_failures = 0
-        out = orig(self, *args, **kwargs)
-        S.last_alloc = ""
-        try:
-            if S.ev is not None:
-                _evicts_out()
-            _after_schedule(self, out, t0, time.monotonic_ns())
-        except Exception as e:
-            T.error(e)
-        return out
+        return t0
+    except Exception as e:
+        T.error(e)
+        return None
 
-    return schedule
+
+def _schedule_post(self, t0: int, out) -> None:
+    S.last_alloc = ""
+    try:
+        if S.ev is not None:
+            _evicts_out()
+        _after_schedule(self, out, t0, _monotonic_ns())
+    except Exception as e:
+        T.error(e)
 
 
 _DECODING = [-1, -1, 0]  # S.reqs' entry of a request past its prefill (until preempted or finished)
@@ -427,10 +436,11 @@ def _after_schedule(sched, so, t0: int, t1: int) -> None:
         free_blocks = 0
     if len(S.steps) >= 16:  # update_from_output never came for old steps
         S.steps.clear()
-    S.steps[id(so)] = (step, t0, t1, num_reqs, total, prefill_reqs, prefill_tokens,
+    # the step record, its end time (index 4) set by update_from_output
+    S.steps[id(so)] = ["step", step, t0, t1, 0, num_reqs, total, prefill_reqs, prefill_tokens,
                        num_reqs - prefill_reqs, total - prefill_tokens, n_new, n_resumed,
                        len(so.preempted_req_ids), S.evicted, S.alloc_failures, len(sched.running),
-                       len(sched.waiting), free_blocks, len(so.finished_req_ids))
+                       len(sched.waiting), free_blocks, len(so.finished_req_ids)]
 
 
 def _arrive(step: int, rid: str, req, now: int) -> None:
@@ -460,25 +470,30 @@ def _prompt_blocks(sched, step: int, rid: str, req) -> None:
         T.error(e)
 
 
-def _wrap_update_from_output(orig):
-    def update_from_output(self, scheduler_output, *args, **kwargs):
-        info = S.steps.pop(id(scheduler_output), None) if S.steps else None
-        out = orig(self, scheduler_output, *args, **kwargs)
-        if info is not None or _Q or S.ev is not None:
-            try:
-                if S.ev is not None:
-                    _evicts_out()
-                now = time.monotonic_ns()
-                if info is not None:
-                    _enqueue(("step", info[0], info[1], info[2], now) + info[3:])
-                # (a request still running: not idle, without asking vLLM's three nested calls)
-                if now - _last["flush"] >= FLUSH_EVERY_NS or len(_Q) >= FLUSH_RECORDS or (not self.running and _idle(self)):
-                    _flush(now)
-            except Exception as e:
-                T.error(e)
-        return out
+_NO_STEP = ()   # update_from_output of a step not recorded, with records waiting to be sent
 
-    return update_from_output
+
+def _update_pre(self, scheduler_output):
+    """Scheduler.update_from_output: the step's summary from schedule(), if any."""
+    info = S.steps.pop(id(scheduler_output), None) if S.steps else None
+    if info is None:
+        return _NO_STEP if (_Q or S.ev is not None) else None
+    return info
+
+
+def _update_post(self, info, out) -> None:
+    try:
+        if S.ev is not None:
+            _evicts_out()
+        now = _monotonic_ns()
+        if info:
+            info[4] = now
+            _enqueue(info)
+        # (a request still running: not idle, without asking vLLM's three nested calls)
+        if now - _last["flush"] >= FLUSH_EVERY_NS or len(_Q) >= FLUSH_RECORDS or (not self.running and _idle(self)):
+            _flush(now)
+    except Exception as e:
+        T.error(e)
 
 
 def _idle(sched) -> bool:
@@ -489,95 +504,90 @@ def _idle(sched) -> bool:
         return True
 
 
-def _wrap_preempt(orig):
-    def _preempt_request(self, request, *args, **kwargs):
-        if not _ON:
-            return orig(self, request, *args, **kwargs)
-        rid = before = ntok = None
-        try:
-            rid, before, ntok = request.request_id, request.num_computed_tokens, request.num_tokens
-        except Exception as e:
-            T.error(e)
-        out = orig(self, request, *args, **kwargs)
-        if rid is not None:
-            try:
-                S.reqs.pop(rid, None)
-                _enqueue(("preempt", S.step, time.monotonic_ns(), rid, before, ntok,
-                          min(request.num_preemptions, 0xFFFF), S.last_alloc))
-            except Exception as e:
-                T.error(e)
-        return out
-
-    return _preempt_request
+def _preempt_pre(self, request):
+    """Scheduler._preempt_request: (request, its id, computed tokens, tokens) before it."""
+    if not _ON:
+        return None
+    try:
+        return (request, request.request_id, request.num_computed_tokens, request.num_tokens)
+    except Exception as e:
+        T.error(e)
+        return None
 
 
-_ALLOC_NAMES: tuple = ()  # allocate_slots' parameters after (self, request, num_new_tokens)
+def _preempt_post(self, t, out) -> None:
+    request, rid, before, ntok = t
+    try:
+        S.reqs.pop(rid, None)
+        _enqueue(("preempt", S.step, _monotonic_ns(), rid, before, ntok,
+                  min(request.num_preemptions, 0xFFFF), S.last_alloc))
+    except Exception as e:
+        T.error(e)
 
 
-def _wrap_allocate_slots(orig):
-    def allocate_slots(self, request, num_new_tokens, *args, **kwargs):
-        if not _ON:
-            return orig(self, request, num_new_tokens, *args, **kwargs)
-        prev = S.cur_req
-        try:
-            S.cur_req = S.last_alloc = request.request_id
-            if args or "new_computed_blocks" in kwargs:
-                _note_admission_alloc(self, request, num_new_tokens, args, kwargs)
-        except Exception as e:
-            T.error(e)
-        try:
-            out = orig(self, request, num_new_tokens, *args, **kwargs)
-        finally:
-            S.cur_req = prev
-        if out is None:
-            S.alloc_failures += 1
-        return out
-
-    return allocate_slots
+ALLOC_PARAMS = ("request", "num_new_computed_tokens", "new_computed_blocks", "num_external_computed_tokens")
 
 
-def _note_admission_alloc(mgr, request, num_new_tokens, args, kwargs) -> None:
-    if args:
-        kw = dict(zip(_ALLOC_NAMES, args))
-        kw.update(kwargs)
-    else:
-        kw = kwargs
-    local = int(kw.get("num_new_computed_tokens", 0) or 0)
-    external = int(kw.get("num_external_computed_tokens", 0) or 0)
-    blocks = kw.get("new_computed_blocks")
+def _allocate_pre(self, request, local, blocks, external):
+    """KVCacheManager.allocate_slots: the request allocating (its evictions and a preemption are
+    its doing) and, at an admission, the prefix-cache hit that comes with it.  Returns the
+    request allocating before (allocations do not nest in vLLM 0.32; restored after)."""
+    if not _ON:
+        return None
+    prev = S.cur_req
+    try:
+        S.cur_req = S.last_alloc = request.request_id
+        if blocks is not None:   # an admission
+            _note_admission_alloc(request, local, blocks, external)
+    except Exception as e:
+        T.error(e)
+    return prev
+
+
+def _allocate_post(self, prev, out) -> None:
+    S.cur_req = prev
+    if out is None:
+        S.alloc_failures += 1
+
+
+def _allocate_abort(self, prev) -> None:
+    S.cur_req = prev
+
+
+def _note_admission_alloc(request, local, blocks, external) -> None:
     hit, last = 0, 0
-    groups = getattr(blocks, "blocks", None) if blocks is not None else None
+    groups = getattr(blocks, "blocks", None)
     if groups:
         g0 = groups[0]
         hit = len(g0)
         if hit:
             key = g0[-1].block_hash
             last = _hash64(key) if key is not None else 0
-    S.alloc[request.request_id] = (local, external, hit, last)
+    S.alloc[request.request_id] = (int(local or 0), int(external or 0), hit, last)
 
 
-def _wrap_maybe_evict(orig):
-    def _maybe_evict_cached_block(self, block):
-        if not _ON:
-            return orig(self, block)
+def _evict_pre(self, block):
+    """BlockPool._maybe_evict_cached_block: (block id, hash, the block's other hashes) of a
+    cached block, which the call may drop from the prefix cache."""
+    if not _ON:
+        return None
+    try:
+        key = block.block_hash
+        if key is None:   # not cached: nothing to evict
+            return None
+        bid = block.block_id
+        return (bid, key, self.cached_block_hashes_by_block.get(bid))
+    except Exception as e:
+        T.error(e)
+        return None
+
+
+def _evict_post(self, t, evicted) -> None:
+    if evicted:
         try:
-            key = block.block_hash
-            bid = block.block_id
-            extra = self.cached_block_hashes_by_block.get(bid) if key is not None else None
+            _note_evict(self, t[0], t[1], t[2])
         except Exception as e:
             T.error(e)
-            key = None
-        if key is None:  # not cached: nothing to evict
-            return orig(self, block)
-        evicted = orig(self, block)
-        if evicted:
-            try:
-                _note_evict(self, bid, key, extra)
-            except Exception as e:
-                T.error(e)
-        return evicted
-
-    return _maybe_evict_cached_block
 
 
 def _note_evict(pool, bid: int, key: bytes, extra) -> None:
@@ -800,13 +810,26 @@ def _engine_targets():
     from vllm.v1.core.sched.scheduler import Scheduler
 
     return [
-        (Scheduler, "schedule", ["self", "throttle_prefills"], _wrap_schedule),
-        (Scheduler, "update_from_output", ["self", "scheduler_output", "model_runner_output"], _wrap_update_from_output),
-        (Scheduler, "_preempt_request", ["self", "request", "timestamp", "drop_stale_output"], _wrap_preempt),
+        (Scheduler, "schedule", ["self", "throttle_prefills"], _exactly(_schedule_pre, _schedule_post)),
+        (Scheduler, "update_from_output", ["self", "scheduler_output", "model_runner_output"],
+         _exactly(_update_pre, _update_post, names=("scheduler_output",))),
+        (Scheduler, "_preempt_request", ["self", "request", "timestamp", "drop_stale_output"],
+         _exactly(_preempt_pre, _preempt_post, names=("request",))),
         (KVCacheManager, "allocate_slots", ["self", "request", "num_new_tokens", "num_new_computed_tokens",
-                                            "new_computed_blocks"], _wrap_allocate_slots),
-        (BlockPool, "_maybe_evict_cached_block", ["self", "block"], _wrap_maybe_evict),
+                                            "new_computed_blocks"],
+         _exactly(_allocate_pre, _allocate_post, _allocate_abort, ALLOC_PARAMS)),
+        (BlockPool, "_maybe_evict_cached_block", ["self", "block"], _exactly(_evict_pre, _evict_post, names=("block",))),
     ]
+
+
+def _exactly(pre, post, abort=_nothing, names=()):
+    """The wrapper factory of an engine method: pre, the method, post, in a function with the
+    method's own parameters (kvtrace.hook.exact)."""
+    def wrap(orig):
+        return exact(orig, pre, post, abort, names, orig.__name__)
+
+    wrap.why_not = lambda func: why_not(func, names)
+    return wrap
 
 
 def _engine_data_checks() -> list[str]:
@@ -828,11 +851,6 @@ def _engine_data_checks() -> list[str]:
         for f in fields:
             if f not in have:
                 bad.append(f"{cls_name}.{f} is missing")
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-
-    params = inspect.signature(KVCacheManager.allocate_slots).parameters
-    if "num_external_computed_tokens" not in params:
-        bad.append("KVCacheManager.allocate_slots has no num_external_computed_tokens")
     return bad
 
 
@@ -883,6 +901,12 @@ def _patch(cls: type, attr: str, wrap) -> None:
     _STATUS["patched"].append(f"{cls.__module__}.{cls.__qualname__}.{attr}")
 
 
+def _original(cls, attr):
+    """What the class's attribute wraps (vLLM's own method), or the attribute itself."""
+    cur = _unbox(cls.__dict__.get(attr))
+    return getattr(cur, _MARK, None) or cur
+
+
 def _unbox(obj):
     return obj.__func__ if isinstance(obj, (classmethod, staticmethod)) else obj
 
@@ -917,7 +941,6 @@ def install(roles: list[str] | None = None, live: bool = False) -> bool:
     signatures differ from what the hook reads leaves everything untouched and logs one
     message saying what differs.
     """
-    global _ALLOC_NAMES
     try:
         roles = detect_roles() if roles is None else list(roles)
         if live and "worker" in roles and _live_connector() is None:
@@ -938,7 +961,7 @@ def install(roles: list[str] | None = None, live: bool = False) -> bool:
         plan, bad = [], []
         if "engine" in roles:
             for cls, attr, want, wrap in _engine_targets():
-                why = _signature_differs(cls.__dict__.get(attr), want)
+                why = _signature_differs(cls.__dict__.get(attr), want) or wrap.why_not(_original(cls, attr))
                 if why:
                     bad.append(f"{cls.__name__}.{attr} {why}")
                 plan.append((cls, attr, wrap))
@@ -949,12 +972,6 @@ def install(roles: list[str] | None = None, live: bool = False) -> bool:
             plan.append((factory, "create_connector", _wrap_create_connector))
         if bad:
             return _inert("; ".join(bad))
-        if "engine" in roles:
-            from vllm.v1.core.kv_cache_manager import KVCacheManager
-
-            params = inspect.signature(_unbox(KVCacheManager.__dict__["allocate_slots"])).parameters.values()
-            positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-            _ALLOC_NAMES = tuple(positional[3:])
         for cls, attr, wrap in plan:
             _patch(cls, attr, wrap)
         if "worker" in roles:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import kvtrace
 
-HOOK_FILES = ["__init__.py", "hook/__init__.py", "hook/wire.py", "hook/transport.py", "hook/api.py", "hook/vllm_hook.py"]
+HOOK_FILES = ["__init__.py", "hook/__init__.py", "hook/exact.py", "hook/wire.py", "hook/transport.py", "hook/api.py", "hook/vllm_hook.py"]
 
 
 def package_dir() -> Path:

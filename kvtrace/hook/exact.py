@@ -1,0 +1,81 @@
+"""Wrappers with the exact parameters of the method they wrap (standard library only).
+
+A wrapper written ``def f(self, *args, **kwargs): ... orig(self, *args, **kwargs)`` calls the
+method through CPython's slow path for a call with unpacked arguments.  Measured in
+bench/hookstep.py's real vLLM Scheduler, the hook's five engine wrappers done that way cost
+3.1 µs an engine step doing nothing else, and 1.0 µs when each is a function with the method's
+own parameters that calls it with them spelled out.  ``allocate_slots`` alone runs once per
+running request and step.
+
+``exact(orig, pre, post, abort, names, name)`` generates::
+
+    def name(<orig's parameters, with orig's own default objects>):
+        t = pre(self, <the parameters in names>)     # None: nothing to do after the call
+        if t is None:
+            return orig(<every parameter, in order>)
+        try:
+            r = orig(<every parameter, in order>)
+        except BaseException:
+            abort(self, t)
+            raise
+        post(self, t, r)
+        return r
+
+``pre``, ``post`` and ``abort`` must not raise (the hook's own catch and count errors).
+Only plain parameters can be spelled out: ``why_not(orig)`` names a positional-only,
+keyword-only or variadic one, and the hook then leaves vLLM untouched.
+"""
+from __future__ import annotations
+
+import inspect
+
+
+def _params(func) -> list[inspect.Parameter]:
+    return list(inspect.signature(func, follow_wrapped=False).parameters.values())
+
+
+def why_not(func, names=()) -> str | None:
+    """None when ``exact`` can wrap func and hand ``names`` to its ``pre``; else what stops it."""
+    try:
+        params = _params(func)
+    except (TypeError, ValueError) as e:
+        return f"has no readable signature ({e})"
+    for p in params:
+        if p.kind is not p.POSITIONAL_OR_KEYWORD:
+            return f"has a {p.kind.description} parameter {p.name!r}"
+        if p.name.startswith("_kv"):
+            return f"has a parameter named {p.name!r}"
+    missing = [n for n in ("self", *names) if n not in {p.name for p in params}]
+    if missing:
+        return f"has no parameter {missing[0]!r}"
+    return None
+
+
+def exact(orig, pre, post, abort, names, name: str):
+    """The function above, for orig (TypeError when why_not says it cannot be made)."""
+    why = why_not(orig, names)
+    if why:
+        raise TypeError(f"{name} {why}")
+    params = _params(orig)
+    ns = {"_kv_orig": orig, "_kv_pre": pre, "_kv_post": post, "_kv_abort": abort}
+    spelled = []
+    for i, p in enumerate(params):
+        if p.default is p.empty:
+            spelled.append(p.name)
+        else:
+            ns[f"_kv_default{i}"] = p.default     # the very object orig would use
+            spelled.append(f"{p.name}=_kv_default{i}")
+    call = f"_kv_orig({', '.join(p.name for p in params)})"
+    src = (f"def {name}({', '.join(spelled)}):\n"
+           f"    _kv_t = _kv_pre({', '.join(('self', *names))})\n"
+           f"    if _kv_t is None:\n"
+           f"        return {call}\n"
+           f"    try:\n"
+           f"        _kv_r = {call}\n"
+           f"    except BaseException:\n"
+           f"        _kv_abort(self, _kv_t)\n"
+           f"        raise\n"
+           f"    _kv_post(self, _kv_t, _kv_r)\n"
+           f"    return _kv_r\n")
+    exec(compile(src, f"<kvtrace hook: {name}>", "exec"), ns)
+    return ns[name]

@@ -1,0 +1,82 @@
+"""kvtrace.hook.exact: wrappers with the wrapped method's own parameters."""
+import inspect
+
+import pytest
+
+from kvtrace.hook.exact import exact, why_not
+
+SENTINEL = object()
+
+
+class Pool:
+    def allocate(self, request, n, computed=0, blocks=None, flag=SENTINEL):
+        if n < 0:
+            raise ValueError("negative")
+        return (request, n, computed, blocks, flag is SENTINEL)
+
+
+def make(calls, skip=False):
+    def pre(self, request, blocks):
+        calls.append(("pre", request, blocks))
+        return None if skip else ("token", request)
+
+    def post(self, t, r):
+        calls.append(("post", t, r))
+
+    def abort(self, t):
+        calls.append(("abort", t))
+
+    return exact(Pool.allocate, pre, post, abort, ("request", "blocks"), "allocate")
+
+
+def test_calls_pass_through_unchanged_with_the_same_defaults():
+    calls = []
+    w = make(calls)
+    p = Pool()
+    assert inspect.signature(w) == inspect.signature(Pool.allocate).replace(
+        parameters=[q.replace(annotation=q.empty) for q in inspect.signature(Pool.allocate).parameters.values()])
+    for args, kwargs in [((1, 2), {}), ((1, 2, 3), {"flag": 9}), ((), {"request": 1, "n": 2, "blocks": "b"}),
+                         ((1,), {"n": 5, "computed": 4})]:
+        calls.clear()
+        assert w(p, *args, **kwargs) == Pool.allocate(p, *args, **kwargs)
+        r = Pool.allocate(p, *args, **kwargs)
+        assert calls == [("pre", r[0], r[3]), ("post", ("token", r[0]), r)]
+    assert w(p, 1, 2)[4] is True   # the default object itself reached the method
+
+
+def test_pre_returning_none_skips_post():
+    calls = []
+    assert make(calls, skip=True)(Pool(), "r", 1) == ("r", 1, 0, None, True)
+    assert calls == [("pre", "r", None)]
+
+
+def test_an_exception_of_the_method_runs_abort_and_propagates():
+    calls = []
+    with pytest.raises(ValueError, match="negative"):
+        make(calls)(Pool(), "r", -1)
+    assert calls == [("pre", "r", None), ("abort", ("token", "r"))]
+
+
+def test_wrong_arguments_fail_as_they_would_without_the_wrapper():
+    w = make([])
+    for bad in [lambda: w(Pool()), lambda: w(Pool(), 1, 2, nope=3), lambda: w(Pool(), 1, 2, 3, 4, 5, 6)]:
+        with pytest.raises(TypeError):
+            bad()
+
+
+def test_why_not_names_what_cannot_be_spelled_out():
+    def variadic(self, a, *rest): ...
+    def keywords(self, a, **kw): ...
+    def kwonly(self, a, *, b=1): ...
+    def posonly(self, a, /, b): ...
+    def clash(self, _kv_t): ...
+
+    assert why_not(Pool.allocate, ("request", "blocks")) is None
+    assert why_not(variadic) == "has a variadic positional parameter 'rest'"
+    assert why_not(keywords) == "has a variadic keyword parameter 'kw'"
+    assert why_not(kwonly) == "has a keyword-only parameter 'b'"
+    assert why_not(posonly) == "has a positional-only parameter 'self'"
+    assert why_not(clash) == "has a parameter named '_kv_t'"
+    assert why_not(Pool.allocate, ("request", "missing")) == "has no parameter 'missing'"
+    with pytest.raises(TypeError, match="allocate has a variadic"):
+        exact(variadic, None, None, None, (), "allocate")
