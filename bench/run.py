@@ -158,6 +158,8 @@ def ab_markdown(v: dict, layout: str) -> list[str]:
               if "hook_pct_of_server_cpu" in acc else "not estimated")
            + (f"; the system-call slow path {acc['slow_path_pct_of_server_cpu']:.2f}% ({acc['server_syscalls_per_s']:,} server "
               f"system calls a second, {acc['slow_path_ns']} ns more each"
+              + (f", the median of {len(acc['slow_path_pairs_ns'])} getppid loops without and with a program that never runs; "
+                 f"{acc['slow_path_with_agent_ns']} ns without and with the agent" if "slow_path_pairs_ns" in acc else "")
               + (f"; of it {acc['slow_path_sched_yield_pct_of_server_cpu']:.2f}% on sched_yield, OpenMP threads waiting at "
                  "a barrier, where it is an upper bound" if "slow_path_sched_yield_pct_of_server_cpu" in acc else "")
               + "; most frequent: " + ", ".join(f"{k} {c:,}/s" for k, c in list(acc.get("server_syscalls_top", {}).items())[:4])
