@@ -4,7 +4,8 @@ A real vLLM Scheduler (v1, chunked prefill at 256 tokens, prefix caching, 122 bl
 tokens: the configuration of the benchmark server) is driven through bench/overhead.py's own
 round (bench/stream.py: the same prompts, output lengths and concurrency, so the steps measured
 here are the kind the hook is charged for there) to completion, with a model-runner stand-in
-that samples one token per request and step.  The same stream is run with the hook not
+that samples one token per request and step and makes a Worker's calls on a KV connector that
+does nothing (the hook's Worker wrappers run on them as on the server's file connector).  The same stream is run with the hook not
 installed ("none"), installed with no agent ("detached") and installed with a live agent
 ("attached"; the records go out as marker writes, caught by the agent's BPF program when this
 runs under `kvtrace attach`), interleaved round by round.  The cost per step is the difference
@@ -66,6 +67,34 @@ def make_scheduler_factory():
     return new, hasher
 
 
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]   # the tiny model's attention layers
+
+
+def make_connector():
+    """A KV connector on vLLM's own base class that does nothing, made this process's live
+    connector, so install() patches its class as it patches the benchmark server's connector
+    (kvtrace's file connector).  run_stream makes a Worker's connector calls on it each step:
+    bind_connector_metadata, start_load_kv, wait_for_layer_load per layer, wait_for_save."""
+    from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
+
+    class IdleConnector(KVConnectorBase_V1):
+        def start_load_kv(self, forward_context, **kwargs):
+            pass
+
+        def wait_for_layer_load(self, layer_name):
+            pass
+
+        def wait_for_save(self):
+            pass
+
+    IdleConnector.__abstractmethods__ = frozenset()   # the scheduler-side methods are never called here
+    conn = object.__new__(IdleConnector)              # (its __init__ wants a whole VllmConfig)
+    conn.meta = KVConnectorMetadata()
+    kv_transfer_state._KV_CONNECTOR_AGENT = conn
+    return conn
+
+
 def make_requests(hasher, short: bool):
     """bench/overhead.py's round (bench/stream.py) as vLLM Requests: the same prompts, the
     same output lengths, in the same order."""
@@ -79,10 +108,11 @@ def make_requests(hasher, short: bool):
                     pooling_params=None, block_hasher=hasher) for r in requests(short)]
 
 
-def run_stream(new_scheduler, hasher, short: bool, concurrency: int, times: list | None = None) -> tuple[int, float]:
-    """The benchmark's round through a fresh scheduler; (steps, seconds spent in schedule + update).
-    ``times`` gets each step's seconds (the stream is deterministic: step i is the same work
-    in every round and mode)."""
+def run_stream(new_scheduler, hasher, short: bool, concurrency: int, times: list | None = None,
+               conn=None) -> tuple[int, float]:
+    """The benchmark's round through a fresh scheduler; (steps, seconds spent in schedule +
+    update, and in the connector calls on ``conn`` when given).  ``times`` gets each step's
+    seconds (the stream is deterministic: step i is the same work in every round and mode)."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     sched = new_scheduler()
@@ -103,6 +133,14 @@ def run_stream(new_scheduler, hasher, short: bool, concurrency: int, times: list
             done = req.num_computed_tokens + so.num_scheduled_tokens[rid] >= req.num_tokens
             sampled.append([rng.randrange(100, 31000)] if done else [])
         mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled)
+        if conn is not None:   # the Worker's step: what the model runner calls on its connector
+            t4 = perf()
+            conn.bind_connector_metadata(conn.meta)
+            conn.start_load_kv(None)
+            for layer in LAYERS:
+                conn.wait_for_layer_load(layer)
+            conn.wait_for_save()
+            t1 += perf() - t4
         t2 = perf()
         sched.update_from_output(so, mro)
         t3 = perf()
@@ -127,6 +165,7 @@ def main() -> int:
     from kvtrace.hook import transport, vllm_hook as hook
 
     new_scheduler, hasher = make_scheduler_factory()
+    conn = make_connector()
     live_flag = hook.T.flag_path
     attached_possible = transport.agent_alive(live_flag)
     nowhere = tempfile.mkdtemp(prefix="kvtrace-noagent-")   # a flag with no live agent in it
@@ -136,7 +175,7 @@ def main() -> int:
             hook.uninstall()
             return
         if not hook.status()["installed"]:
-            assert hook.install(roles=["engine"]), hook.status()
+            assert hook.install(roles=["engine", "worker"]), hook.status()
         hook.T.flag_path = live_flag if name.startswith("attached") else nowhere
         hook.T.next_check = 0                 # re-read the flag at the next step
         # this stand-in's steps take ~0.2 ms, so at the hook's own interval it sends a frame only
@@ -146,7 +185,7 @@ def main() -> int:
 
     flush_every = hook.FLUSH_EVERY_NS
     modes = ["none", "detached"] + (["attached", "attached_write_each_step"] if attached_possible else [])
-    run_stream(new_scheduler, hasher, a.short, CONCURRENCY)   # warm-up
+    run_stream(new_scheduler, hasher, a.short, CONCURRENCY, conn=conn)   # warm-up
     per_step = {m: [] for m in modes}
     fastest = {m: None for m in modes}   # per step: its fastest time over the rounds
     steps_seen = {}
@@ -154,7 +193,7 @@ def main() -> int:
         for m in modes:
             mode(m)
             times = []
-            steps, spent = run_stream(new_scheduler, hasher, a.short, CONCURRENCY, times)
+            steps, spent = run_stream(new_scheduler, hasher, a.short, CONCURRENCY, times, conn)
             per_step[m].append(spent / steps * 1e6)
             steps_seen[m] = steps
             f = fastest[m]

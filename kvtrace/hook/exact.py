@@ -79,3 +79,25 @@ def exact(orig, pre, post, abort, names, name: str):
            f"    return _kv_r\n")
     exec(compile(src, f"<kvtrace hook: {name}>", "exec"), ns)
     return ns[name]
+
+
+def wrapper(orig, pre, post, abort, name: str):
+    """exact(orig, pre, post, abort, (), name) where orig's parameters are all plain; otherwise
+    the same steps through ``*args, **kwargs`` (pre then takes self alone either way)."""
+    if why_not(orig) is None:
+        return exact(orig, pre, post, abort, (), name)
+
+    def generic(self, *args, **kwargs):
+        t = pre(self)
+        if t is None:
+            return orig(self, *args, **kwargs)
+        try:
+            r = orig(self, *args, **kwargs)
+        except BaseException:
+            abort(self, t)
+            raise
+        post(self, t, r)
+        return r
+
+    generic.__name__ = name
+    return generic

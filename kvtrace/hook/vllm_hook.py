@@ -30,14 +30,14 @@ import threading
 import time
 
 try:
-    from kvtrace.hook.exact import exact, why_not
+    from kvtrace.hook.exact import exact, why_not, wrapper
     from kvtrace.hook.transport import Transport, agent_pids, owner_live
     from kvtrace.hook.wire import CODEC, EVICTS_MAX
 except ImportError:  # imported from a path where kvtrace is not installed: use the sibling files
     _root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, _root)
     try:
-        from kvtrace.hook.exact import exact, why_not
+        from kvtrace.hook.exact import exact, why_not, wrapper
         from kvtrace.hook.transport import Transport, agent_pids, owner_live
         from kvtrace.hook.wire import CODEC, EVICTS_MAX
     finally:
@@ -617,84 +617,60 @@ def _evicts_out() -> None:
 # Worker wrappers (KV connector API, on the concrete connector class)
 
 
-def _wrap_bind(orig):
-    def bind_connector_metadata(self, *args, **kwargs):
-        try:
-            if _refresh():
-                now = time.monotonic_ns()
-                if _new_agent(W) or not W.on:
-                    W.on = True
-                    _hook_start("worker")
-                W.active = True
-                W.seq += 1
-                W.source = "connector:" + type(self).__name__
-                W.begin(now)
-            else:
-                if W.on:
-                    W.on = False
-                    with _LOCK:
-                        _Q.clear()
-                    _leave_if_owner_gone()
-                W.active = False
-        except Exception as e:
-            T.error(e)
-        return orig(self, *args, **kwargs)
-
-    return bind_connector_metadata
+def _bind_pre(self):
+    """bind_connector_metadata (a Worker step starts): never anything to do after the call."""
+    try:
+        if _refresh():
+            now = _monotonic_ns()
+            if _new_agent(W) or not W.on:
+                W.on = True
+                _hook_start("worker")
+            W.active = True
+            W.seq += 1
+            W.source = "connector:" + type(self).__name__
+            W.begin(now)
+        else:
+            if W.on:
+                W.on = False
+                with _LOCK:
+                    _Q.clear()
+                _leave_if_owner_gone()
+            W.active = False
+    except Exception as e:
+        T.error(e)
+    return None
 
 
-def _wrap_start_load(orig):
-    def start_load_kv(self, *args, **kwargs):
-        if not W.active or W.depth:
-            return orig(self, *args, **kwargs)
-        t0 = time.monotonic_ns()
-        W.depth += 1
-        try:
-            return orig(self, *args, **kwargs)
-        finally:
-            W.depth -= 1
-            if not W.load_t0:
-                W.load_t0 = t0
-            W.load_t1 = time.monotonic_ns()
-
-    return start_load_kv
+def _timed_pre(self):
+    """start_load_kv, wait_for_layer_load, wait_for_save: their start, in a recorded Worker step
+    and not inside another of them (a connector calling its own API)."""
+    if not W.active or W.depth:
+        return None
+    W.depth += 1
+    return _monotonic_ns()
 
 
-def _wrap_layer_wait(orig):
-    def wait_for_layer_load(self, *args, **kwargs):
-        if not W.active or W.depth:
-            return orig(self, *args, **kwargs)
-        t0 = time.monotonic_ns()
-        W.depth += 1
-        try:
-            return orig(self, *args, **kwargs)
-        finally:
-            W.depth -= 1
-            t1 = time.monotonic_ns()
-            W.waits += 1
-            W.wait_ns += t1 - t0
-            W.last_wait_end = t1
-
-    return wait_for_layer_load
+def _load_done(self, t0, out=None) -> None:
+    W.depth -= 1
+    if not W.load_t0:
+        W.load_t0 = t0
+    W.load_t1 = _monotonic_ns()
 
 
-def _wrap_wait_save(orig):
-    def wait_for_save(self, *args, **kwargs):
-        if not W.active or W.depth:
-            return orig(self, *args, **kwargs)
-        t0 = time.monotonic_ns()
-        W.depth += 1
-        try:
-            return orig(self, *args, **kwargs)
-        finally:
-            W.depth -= 1
-            try:
-                t1 = time.monotonic_ns()
-                _worker_step_end(t0, t1)
-            except Exception as e:
-                T.error(e)
+def _layer_done(self, t0, out=None) -> None:
+    W.depth -= 1
+    t1 = _monotonic_ns()
+    W.waits += 1
+    W.wait_ns += t1 - t0
+    W.last_wait_end = t1
 
-    return wait_for_save
+
+def _save_done(self, t0, out=None) -> None:
+    W.depth -= 1
+    try:
+        _worker_step_end(t0, _monotonic_ns())
+    except Exception as e:
+        T.error(e)
 
 
 def _worker_step_end(t_save0: int, t_save1: int) -> None:
@@ -708,26 +684,37 @@ def _worker_step_end(t_save0: int, t_save1: int) -> None:
     if t_save1 - _last["flush"] >= FLUSH_EVERY_NS:
         _flush(t_save1)
     else:
-        _LATER.arm(threading.get_native_id())
+        _LATER.arm()
 
 
 class _Later:
     """Sends the Worker's records FLUSH_EVERY_NS after they were queued, from a daemon thread
     that sleeps otherwise: a Worker cannot tell whether another step will come to send them.
     Its frames name the Worker's thread, whose id joins a kv_load or kv_store to that thread's
-    file I/O.  Arming costs an Event.set() once per interval; the thread starts on first use in
-    each process (threads do not survive a fork)."""
+    file I/O.  Arming costs an Event.set() once per interval and no system call: the thread
+    starts on first use in each process (threads do not survive a fork, which resets this),
+    and the calling thread's native id is asked of the kernel once per thread."""
 
     def __init__(self):
-        self.pid = 0
+        self.started = False
         self.tid = 0
         self.ev = threading.Event()
+        self.local = threading.local()
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self.forked)
 
-    def arm(self, tid: int) -> None:
+    def forked(self) -> None:
+        self.started = False
+        self.ev = threading.Event()
+        self.local = threading.local()   # the forking thread's id is not the child's
+
+    def arm(self) -> None:
+        tid = getattr(self.local, "tid", 0)
+        if not tid:
+            tid = self.local.tid = threading.get_native_id()
         self.tid = tid
-        if self.pid != os.getpid():
-            self.pid = os.getpid()
-            self.ev = threading.Event()
+        if not self.started:
+            self.started = True
             threading.Thread(target=self._run, args=(self.ev,), name="kvtrace-hook-send", daemon=True).start()
         if not self.ev.is_set():
             self.ev.set()
@@ -761,11 +748,27 @@ def _wrap_create_connector(orig_func):
     return create_connector
 
 
+def _nothing_after(self, t, out) -> None:
+    """post: nothing to do after vLLM's method."""
+
+
+def _any_params(pre, post, abort):
+    """The wrapper factory of a connector method: kvtrace.hook.exact.wrapper (its own
+    parameters where they are all plain, else *args/**kwargs)."""
+    def wrap(orig):
+        return wrapper(orig, pre, post, abort, orig.__name__)
+
+    return wrap
+
+
+# the connector API, on each connector's own class: with its own parameters where they are all
+# plain (kvtrace.hook.exact; wait_for_layer_load runs once per layer and step), else through
+# *args/**kwargs (start_load_kv takes **kwargs in vLLM's base class)
 CONNECTOR_METHODS = {
-    "bind_connector_metadata": (["self", "connector_metadata"], _wrap_bind),
-    "start_load_kv": (["self", "forward_context"], _wrap_start_load),
-    "wait_for_layer_load": (["self", "layer_name"], _wrap_layer_wait),
-    "wait_for_save": (["self"], _wrap_wait_save),
+    "bind_connector_metadata": (["self", "connector_metadata"], _any_params(_bind_pre, _nothing_after, _nothing)),
+    "start_load_kv": (["self", "forward_context"], _any_params(_timed_pre, _load_done, _load_done)),
+    "wait_for_layer_load": (["self", "layer_name"], _any_params(_timed_pre, _layer_done, _layer_done)),
+    "wait_for_save": (["self"], _any_params(_timed_pre, _save_done, _save_done)),
 }
 
 

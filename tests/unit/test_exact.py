@@ -80,3 +80,32 @@ def test_why_not_names_what_cannot_be_spelled_out():
     assert why_not(Pool.allocate, ("request", "missing")) == "has no parameter 'missing'"
     with pytest.raises(TypeError, match="allocate has a variadic"):
         exact(variadic, None, None, None, (), "allocate")
+
+
+def test_wrapper_falls_back_to_args_and_kwargs_where_parameters_are_not_plain():
+    from kvtrace.hook.exact import wrapper
+
+    class Conn:
+        def start(self, ctx, **kwargs):
+            return (ctx, kwargs)
+
+        def wait(self, layer):
+            if layer == "bad":
+                raise KeyError(layer)
+            return layer
+
+    calls = []
+    pre = lambda self: calls.append(("pre", type(self).__name__)) or 7   # noqa: E731
+    post = lambda self, t, r: calls.append(("post", t, r))               # noqa: E731
+    abort = lambda self, t: calls.append(("abort", t))                    # noqa: E731
+    start = wrapper(Conn.start, pre, post, abort, "start")
+    wait = wrapper(Conn.wait, pre, post, abort, "wait")
+    assert start.__code__.co_filename.endswith("exact.py")              # the generic one
+    assert wait.__code__.co_filename == "<kvtrace hook: wait>"          # spelled out
+    c = Conn()
+    assert start(c, 1, x=2) == (1, {"x": 2})
+    assert wait(c, layer="l0") == "l0"
+    with pytest.raises(KeyError):
+        wait(c, "bad")
+    assert calls == [("pre", "Conn"), ("post", 7, (1, {"x": 2})), ("pre", "Conn"), ("post", 7, "l0"),
+                     ("pre", "Conn"), ("abort", 7)]

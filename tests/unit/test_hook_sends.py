@@ -45,3 +45,31 @@ def test_a_frame_without_it_keeps_the_writers_tid(monkeypatch):
     assert frame.startswith(MAGIC)
     rows = usermark.records([as_marker(frame, 5)], DecodeContext())
     assert [r["tid"] for r in rows["kv_store"]] == [MARKER_TID]
+
+
+def test_the_sender_names_the_calling_thread_and_starts_again_in_a_forked_child():
+    """_Later.arm() asks the kernel for a thread's id once (then from a thread-local) and starts
+    its sender thread once per process: a fork resets both, so a child's frames name its own
+    thread and a sender runs in it."""
+    import os
+    import threading
+
+    from kvtrace.hook import vllm_hook as hook
+
+    later = hook._Later()
+    later.arm()
+    assert later.started and later.tid == threading.get_native_id()
+    seen = []
+    t = threading.Thread(target=lambda: (later.arm(), seen.append((later.tid, threading.get_native_id()))))
+    t.start()
+    t.join()
+    assert seen[0][0] == seen[0][1] != os.getpid()            # another thread: its own id
+    pid = os.fork()
+    if pid == 0:   # the child: no sender yet, no remembered id; after arm(), its own
+        ok = not later.started and getattr(later.local, "tid", 0) == 0
+        later.arm()
+        ok = ok and later.started and later.tid == os.getpid() == threading.get_native_id()
+        ok = ok and any(th.name == "kvtrace-hook-send" for th in threading.enumerate())
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
