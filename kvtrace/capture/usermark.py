@@ -7,7 +7,7 @@ import struct
 import pyarrow as pa
 
 from kvtrace.capture.events import HEADER, KIND_USER, DecodeContext, struct_dtype
-from kvtrace.hook.wire import CODEC, MAGIC, evict_rows
+from kvtrace.hook.wire import CODEC, MAGIC, evict_rows, kv_step_rows
 
 NAME = "usermark"
 KIND = KIND_USER
@@ -71,6 +71,11 @@ def records(raw: list[bytes], ctx: DecodeContext | None = None) -> dict[str, lis
                 for row in evict_rows(rec):
                     row.update(mark_ns=ts, pid=pid, tid=tid)
                     rows.append(row)
+                continue
+            if name == "kv_step":  # a Worker step: its kv_load and kv_store rows
+                for rname, row in kv_step_rows(rec):
+                    row.update(mark_ns=ts, pid=pid, tid=tid)
+                    out.setdefault(rname, []).append(row)
                 continue
             rec.update(mark_ns=ts, pid=pid, tid=tid)
             out.setdefault(name, []).append(rec)

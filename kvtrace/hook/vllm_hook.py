@@ -43,7 +43,8 @@ except ImportError:  # imported from a path where kvtrace is not installed: use 
     finally:
         sys.path.remove(_root)
 
-HOOK_VERSION = "3"  # 2: evictions batched (wire record 13); 3: records sent every 100 ms (record 14)
+HOOK_VERSION = "4"  # 2: evictions batched (wire record 13); 3: records sent every 100 ms (record 14);
+# 4: one kv_step record per Worker step (record 15) instead of a kv_load and a kv_store
 TESTED_VLLM = ("0.32.",)
 MAX_QUEUE = 20000          # records waiting for their flush
 # Engine records are sent at a step end once FLUSH_EVERY_NS have passed since the last send, once
@@ -675,12 +676,13 @@ def _save_done(self, t0, out=None) -> None:
 
 def _worker_step_end(t_save0: int, t_save1: int) -> None:
     W.active = False
+    # one record for the step's kv_load and kv_store rows (the agent splits it: wire.kv_step_rows)
     if W.load_t0:
-        end = max(W.load_t1, W.last_wait_end)
-        _enqueue(("kv_load", W.load_t0, end, W.load_t1, W.seq, W.waits, W.wait_ns, 0, 0, "", W.source))
-    elif W.waits:
-        _enqueue(("kv_load", W.t_bind, W.last_wait_end, W.t_bind, W.seq, W.waits, W.wait_ns, 0, 0, "", W.source))
-    _enqueue(("kv_store", t_save0, t_save1, t_save1, W.seq, 0, 0, 0, 0, "", W.source))
+        _enqueue(("kv_step", W.load_t0, max(W.load_t1, W.last_wait_end), W.load_t1, W.seq, W.waits, W.wait_ns,
+                  t_save0, t_save1, 1, W.source))
+    else:   # no start_load_kv: the load, if a layer waited, spans bind to the last wait
+        _enqueue(("kv_step", W.t_bind, W.last_wait_end, W.t_bind, W.seq, W.waits, W.wait_ns,
+                  t_save0, t_save1, 1 if W.waits else 0, W.source))
     if t_save1 - _last["flush"] >= FLUSH_EVERY_NS:
         _flush(t_save1)
     else:

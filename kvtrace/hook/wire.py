@@ -83,6 +83,12 @@ RECORDS: dict[int, tuple[str, list[tuple[str, str]]]] = {
     # the frame were made on thread `tid` (the marker's own tid is the sender's).  Not stored:
     # the agent puts `tid` in those records' tid column.  Older agents skip it (unknown type).
     14: ("thread", [("tid", "I")]),
+    # One Worker step of a KV connector (hook version 4 sends this instead of a kv_load and a
+    # kv_store): the agent stores it as those two rows (kv_step_rows), the kv_load only when
+    # `loaded` (start_load_kv ran, or a layer waited).
+    15: ("kv_step", [("load_start_ns", "Q"), ("load_end_ns", "Q"), ("load_issue_end_ns", "Q"), ("seq", "Q"),
+                     ("layer_waits", "I"), ("wait_ns", "Q"), ("save_start_ns", "Q"), ("save_end_ns", "Q"),
+                     ("loaded", "B"), ("source", "s")]),
 }
 
 EVICTS_MAX = 200  # evictions per `evicts` record (3,200 bytes of blocks: one record fits a frame)
@@ -94,6 +100,22 @@ def evict_rows(rec: dict) -> list[dict]:
     step, t, medium, req = rec["step"], rec["t_ns"], rec["medium"], rec["request"]
     return [{"step": step, "t_ns": t, "block_hash": b[i], "group": b[i + 1] >> 32, "block_id": b[i + 1] & 0xFFFFFFFF,
              "medium": medium, "request": req} for i in range(0, len(b) - 1, 2)]
+
+
+def kv_step_rows(rec: dict) -> list[tuple[str, dict]]:
+    """The kv_load (when the step loaded) and kv_store rows of one `kv_step` record, as the
+    hook sent them one by one before version 4."""
+    seq, source = rec["seq"], rec["source"]
+    rows = []
+    if rec["loaded"]:
+        rows.append(("kv_load", {"t_start_ns": rec["load_start_ns"], "t_end_ns": rec["load_end_ns"],
+                                 "t_issue_end_ns": rec["load_issue_end_ns"], "seq": seq,
+                                 "layer_waits": rec["layer_waits"], "wait_ns": rec["wait_ns"], "blocks": 0,
+                                 "nbytes": 0, "request": "", "source": source}))
+    rows.append(("kv_store", {"t_start_ns": rec["save_start_ns"], "t_end_ns": rec["save_end_ns"],
+                              "t_issue_end_ns": rec["save_end_ns"], "seq": seq, "layer_waits": 0, "wait_ns": 0,
+                              "blocks": 0, "nbytes": 0, "request": "", "source": source}))
+    return rows
 
 
 # Variable-size codes: "s" a string (u16 length + UTF-8), "U" a list of u64 (u16 count + values).

@@ -73,3 +73,19 @@ def test_the_sender_names_the_calling_thread_and_starts_again_in_a_forked_child(
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_kv_step_record_gives_the_rows_its_kv_load_and_kv_store_gave():
+    """Hook version 4 sends one kv_step per Worker step; the agent stores the same kv_load and
+    kv_store rows the two records of earlier versions gave (and no kv_load for a step that
+    loaded nothing)."""
+    src = "connector:KvtraceFileConnector"
+    old = [CODEC.encode("kv_load", 100, 180, 150, 5, 2, 30, 0, 0, "", src),
+           CODEC.encode("kv_store", 200, 260, 260, 5, 0, 0, 0, 0, "", src),
+           CODEC.encode("kv_store", 300, 310, 310, 6, 0, 0, 0, 0, "", src)]
+    new = [CODEC.encode("kv_step", 100, 180, 150, 5, 2, 30, 200, 260, 1, src),
+           CODEC.encode("kv_step", 0, 0, 0, 6, 0, 0, 300, 310, 0, src)]
+    rows = [usermark.records([as_marker(MAGIC + b"".join(recs), 9)], DecodeContext()) for recs in (old, new)]
+    assert rows[0] == rows[1]
+    assert [r["seq"] for r in rows[1]["kv_load"]] == [5] and [r["seq"] for r in rows[1]["kv_store"]] == [5, 6]
+    assert set(rows[1]) == {"kv_load", "kv_store"}

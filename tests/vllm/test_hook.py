@@ -25,7 +25,7 @@ import pytest
 
 from kvtrace.hook.transport import FLAG_PATH
 from kvtrace.hook.vllm_hook import FLUSH_EVERY_NS, HOOK_VERSION
-from kvtrace.hook.wire import RECORDS
+from kvtrace.hook.wire import RECORDS, kv_step_rows
 from kvtrace.vllm.server import vllm_python
 
 from tests import helpers
@@ -494,7 +494,10 @@ def test_worker_connector_and_api_records(selftest):
     assert selftest["idle_bytes"] == 0, "records were sent with no agent"
     assert selftest["sends"] == [True, 0, True], "worker steps are not sent at most every FLUSH_EVERY_NS"
     assert selftest["later_head"] == [["thread", {"tid": selftest["my_tid"]}]]
-    recs = selftest["records"]
+    sent = collections.Counter(n for n, _ in selftest["records"])
+    assert sent["kv_step"] == 3 and sent["kv_store"] == 0, "not one kv_step record per Worker step"
+    # the rows the agent stores (usermark.records expands each kv_step the same way)
+    recs = [x for n, r in selftest["records"] for x in (kv_step_rows(r) if n == "kv_step" else [(n, r)])]
     kinds = collections.Counter(n for n, _ in recs)
     assert kinds["hook_start"] == 1 and [r for n, r in recs if n == "hook_start"][0]["role"] == "worker"
     loads = [r for n, r in recs if n == "kv_load" and r["source"] == "connector:Connector"]
