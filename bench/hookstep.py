@@ -133,6 +133,7 @@ def run_stream(new_scheduler, hasher, short: bool, concurrency: int, times: list
             done = req.num_computed_tokens + so.num_scheduled_tokens[rid] >= req.num_tokens
             sampled.append([rng.randrange(100, 31000)] if done else [])
         mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled)
+        worker = 0.0
         if conn is not None:   # the Worker's step: what the model runner calls on its connector
             t4 = perf()
             conn.bind_connector_metadata(conn.meta)
@@ -140,13 +141,14 @@ def run_stream(new_scheduler, hasher, short: bool, concurrency: int, times: list
             for layer in LAYERS:
                 conn.wait_for_layer_load(layer)
             conn.wait_for_save()
-            t1 += perf() - t4
+            worker = perf() - t4
         t2 = perf()
         sched.update_from_output(so, mro)
         t3 = perf()
-        spent += (t1 - t0) + (t3 - t2)
+        step = (t1 - t0) + worker + (t3 - t2)
+        spent += step
         if times is not None:
-            times.append((t1 - t0) + (t3 - t2))
+            times.append(step)
         steps += 1
     return steps, spent
 
