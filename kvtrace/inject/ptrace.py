@@ -20,12 +20,15 @@ restart_syscall after the interrupt, or at gettid or rt_sigprocmask, the injecte
 for the GIL forever).  So only waits and I/O count (SYS_WAITS), which CPython makes with the GIL
 released: not a futex on a lock of libc, libpython or the executable (the GIL, its mutexes,
 malloc's arena locks live there; Python-level locks live on the heap), and not the hook's own
-marker write (made under the hook's lock).  Waits for the target are bounded by the timeout.
+marker write (made under the hook's lock).  The thread is found at such a call's entry, or
+interrupted while blocked inside one.  The timeout bounds that search; a call once begun is
+waited for longer (CALL_S), since one abandoned inside the GIL's wait breaks the interpreter.
 """
 from __future__ import annotations
 
 import ctypes
 import os
+import random
 import signal
 import struct
 import time
@@ -43,6 +46,9 @@ PTRACE_O_TRACESYSGOOD = 1
 WALL = 0x40000000
 ENOSYS = 38
 SYS_WRITE, SYS_FUTEX, SYS_FUTEX_WAITV = 1, 202, 449
+RESTARTS = {512, 513, 514, 516}  # -ERESTARTSYS -ERESTARTNOINTR -ERESTARTNOHAND -ERESTART_RESTARTBLOCK
+CALL_S = 60.0   # how long an injected call, once begun, may take before it is abandoned
+STEP_S = 0.02   # how long to step a thread from call to call before letting it run free
 SYS_RESTART = 219  # restart_syscall: resumes a timed wait our interrupt broke, which may be the GIL's
 # The only system calls that count: waits and I/O, which CPython makes with the GIL released
 # and no lock of its own held.  Anything else may sit inside the interpreter's or libc's
@@ -70,6 +76,8 @@ def _ptrace(req: int, pid: int, addr=None, data=None) -> int:
     r = libc.ptrace(req, pid, addr, data)
     if r == -1:
         err = ctypes.get_errno()
+        if err == 3 and req != PTRACE_SEIZE:   # ESRCH on a seized thread: it is gone
+            raise TargetError(f"process {pid} exited during injection")
         raise OSError(err, os.strerror(err))
     return r
 
@@ -79,9 +87,9 @@ class Tracee:
 
     def __init__(self, pid: int):
         self.pid = pid
-        self.pending: list[int] = []  # signals that arrived during our calls, re-sent at detach
         self._areas: list[tuple[int, int]] | None = None
         self.entry_nr = -1  # the system call of the safe point
+        self.sig = 0        # a signal the thread stopped for, delivered when it next resumes
         try:
             _ptrace(PTRACE_SEIZE, pid, None, ctypes.c_void_p(PTRACE_O_TRACESYSGOOD))
         except OSError as e:
@@ -89,22 +97,21 @@ class Tracee:
                 raise TargetError(f"process {pid} exited before injection") from None
             raise TargetError(f"ptrace of {pid} was denied ({e.strerror}: another tracer, Yama ptrace_scope, or a user namespace): cannot inject") from None
         self.attached = True
-        _ptrace(PTRACE_INTERRUPT, pid)
-        self._wait()
+        # each stop of the tracee sends us SIGCHLD: held for this thread, it wakes our waits at once
+        # (only where no handler of the process wants SIGCHLD)
+        self.wake = signal.getsignal(signal.SIGCHLD) in (signal.SIG_DFL, None)
+        if self.wake:
+            self.mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+        try:
+            _ptrace(PTRACE_INTERRUPT, pid)
+            self._wait()
+        except BaseException:
+            self.detach()
+            raise
 
     def _wait(self, deadline: float | None = None) -> int | None:
         """The next stop; None when deadline (monotonic s) passes first."""
-        while True:
-            pid, status = os.waitpid(self.pid, WALL | (os.WNOHANG if deadline is not None else 0))
-            if pid:
-                break
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(0.001)
-        if os.WIFEXITED(status) or os.WIFSIGNALED(status):
-            self.attached = False
-            raise TargetError(f"process {self.pid} exited during injection")
-        return status
+        return self._next_stop(deadline if deadline is not None else float("inf"))
 
     def _lock_areas(self) -> list[tuple[int, int]]:
         """Writable data of libc, libpython and the executable, each with the anonymous mapping
@@ -140,6 +147,16 @@ class Tracee:
             return not any(lo <= r.rdi < hi for lo, hi in self._areas)
         return True
 
+    def lock_wait(self, r: Regs) -> bool:
+        """A wait on the interpreter's or libc's own locks (the GIL among them), or its resumption."""
+        if r.orig_rax == SYS_RESTART:
+            return True
+        if r.orig_rax != SYS_FUTEX:
+            return False
+        if self._areas is None:
+            self._areas = self._lock_areas()
+        return any(lo <= r.rdi < hi for lo, hi in self._areas)
+
     def regs(self) -> Regs:
         r = Regs()
         _ptrace(PTRACE_GETREGS, self.pid, None, ctypes.byref(r))
@@ -158,40 +175,87 @@ class Tracee:
             mem.seek(addr)
             return mem.read(n)
 
-    def to_syscall_entry(self, timeout: float) -> Regs:
-        """Resume until the thread enters a system call; that is the safe point."""
-        deadline = time.monotonic() + timeout
-        sig = 0
+    def blocked_in_wait(self, r: Regs) -> bool:
+        """Stopped inside a safe wait that our interrupt broke: it reruns from its entry on resume."""
+        return (r.orig_rax < (1 << 63) and (1 << 64) - r.rax in RESTARTS and self.safe_point(r)
+                and self.read(r.rip - 2, 2) == b"\x0f\x05")
+
+    def _next_stop(self, deadline: float) -> int | None:
+        """The next stop, watched closely at first (a stepped thread waits on us), or None at deadline."""
         while True:
-            _ptrace(PTRACE_SYSCALL, self.pid, None, ctypes.c_void_p(sig))
-            sig = 0
-            while True:
-                try:
-                    pid, status = os.waitpid(self.pid, WALL | os.WNOHANG)
-                except ChildProcessError:
-                    raise TargetError(f"process {self.pid} exited during injection") from None
-                if pid:
-                    break
-                if time.monotonic() > deadline:
-                    _ptrace(PTRACE_INTERRUPT, self.pid)
-                    self._wait(time.monotonic() + 5)
-                    raise TargetError(f"process {self.pid} made no system call within {timeout:.0f}s (no safe point): injection abandoned, target untouched")
-                time.sleep(0.001)
-            if os.WIFEXITED(status) or os.WIFSIGNALED(status):
-                self.attached = False
-                raise TargetError(f"process {self.pid} exited during injection")
+            try:
+                pid, status = os.waitpid(self.pid, WALL | os.WNOHANG)
+            except ChildProcessError:   # reaped elsewhere: gone
+                pid, status = self.pid, 0
+            if pid:
+                if os.WIFEXITED(status) or os.WIFSIGNALED(status):
+                    self.attached = False
+                    raise TargetError(f"process {self.pid} exited during injection")
+                return status
+            left = deadline - time.monotonic()
+            if left < 0:
+                return None
+            if self.wake:   # SIGCHLD, held for us, says the tracee stopped (or another child changed)
+                signal.sigtimedwait({signal.SIGCHLD}, min(left, 0.002))
+            else:
+                time.sleep(0.0002)
+
+    def _step(self, deadline: float) -> Regs | None:
+        """Resume from system call to system call for a while; a safe entry, or None, stopped."""
+        until = min(deadline, time.monotonic() + STEP_S)
+        while True:
+            _ptrace(PTRACE_SYSCALL, self.pid, None, ctypes.c_void_p(self.sig))
+            self.sig = 0
+            status = self._next_stop(until)
+            if status is None:
+                self._interrupt()
+                return None
             stopsig = os.WSTOPSIG(status)
             if stopsig == signal.SIGTRAP | 0x80:
                 r = self.regs()
+                # a syscall-enter-stop right after a `syscall` instruction (an exit-stop has its result)
                 if r.rax == (1 << 64) - ENOSYS and self.read(r.rip - 2, 2) == b"\x0f\x05":
                     if self.safe_point(r):
-                        self.entry_nr = r.orig_rax
-                        return r  # syscall-enter-stop right after a `syscall` instruction
-                    continue      # inside a lock the injected call may need: on to the next one
-                continue  # syscall-exit-stop: go on to the next entry
-            if status >> 16:  # PTRACE_EVENT_STOP and friends
-                continue
-            sig = stopsig  # a real signal: deliver it and keep looking
+                        return r
+                    if self.lock_wait(r):
+                        return None   # waiting for the GIL (or a lock of libc's): stepped, it would not get it
+            elif not status >> 16:
+                self.sig = stopsig  # a real signal: delivered on resume
+            if time.monotonic() > until:
+                return None
+
+    def _interrupt(self) -> Regs:
+        """Stop the running thread; its registers at the stop (signals on the way are kept)."""
+        _ptrace(PTRACE_INTERRUPT, self.pid)
+        while True:
+            status = self._next_stop(time.monotonic() + 5)
+            if status is None:
+                raise TargetError(f"process {self.pid} did not stop when interrupted: injection abandoned")
+            if status >> 16 or os.WSTOPSIG(status) == signal.SIGTRAP | 0x80:
+                return self.regs()
+            self.sig = os.WSTOPSIG(status)   # a signal first: the interrupt's stop is still to come
+            _ptrace(PTRACE_CONT, self.pid, None, ctypes.c_void_p(0))
+
+    def to_syscall_entry(self, timeout: float) -> Regs:
+        """Find a safe point: the thread at the entry of an allowed system call, or blocked in one.
+        Stepped from call to call, a thread that waits for a contended GIL loses every hand-over
+        (each futex return stops for us first), so stepping alternates with letting it run free
+        for a few milliseconds and interrupting it, until it is caught in one of its waits."""
+        deadline = time.monotonic() + timeout
+        rng = random.Random(self.pid)
+        r = self.regs()   # the seize stop
+        while not self.blocked_in_wait(r):
+            if time.monotonic() > deadline:
+                raise TargetError(f"process {self.pid} made no system call within {timeout:.0f}s (no safe point): injection abandoned, target untouched")
+            r = self._step(deadline)
+            if r is not None:
+                break
+            _ptrace(PTRACE_CONT, self.pid, None, ctypes.c_void_p(self.sig))
+            self.sig = 0
+            time.sleep(rng.uniform(0.0005, 0.005))
+            r = self._interrupt()
+        self.entry_nr = r.orig_rax
+        return r
 
     def where(self) -> str:
         """Where the (running) thread is: its system call and kernel wait, for a timeout's message."""
@@ -224,7 +288,8 @@ class Tracee:
                 if self._wait(time.monotonic() + 5) is None:
                     self.attached = False  # cannot stop it again: leave it to the kernel at our exit
                 raise TargetError(f"the injected {name or 'call'} in {self.pid} did not return within {timeout:.0f}s "
-                                  f"({where}; caught at system call {self.entry_nr}): abandoned")
+                                  f"({where}; caught at system call {self.entry_nr}): abandoned mid-call, so the "
+                                  f"process may no longer run Python threads normally: restart it")
             sig = os.WSTOPSIG(status)
             if sig == signal.SIGSEGV and self.regs().rip == 0:
                 return self.regs().rax
@@ -245,10 +310,13 @@ class Tracee:
     def detach(self) -> None:
         if self.attached:
             try:
-                _ptrace(PTRACE_DETACH, self.pid, None, None)
-            except OSError:
+                _ptrace(PTRACE_DETACH, self.pid, None, ctypes.c_void_p(self.sig))  # a signal held back goes now
+            except (OSError, TargetError):
                 pass
             self.attached = False
+        if self.wake:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self.mask)
+            self.wake = False
 
 
 SYMBOLS = {"PyGILState_Ensure", "PyGILState_Release", "PyRun_SimpleStringFlags"}
@@ -267,11 +335,18 @@ def run_code(pid: int, code: str, timeout: float = 10.0) -> int:
         text_at = (saved.rsp - 128 - 4096) & ~0xF  # below the red zone
         stack_top = text_at - 256
         t.write(text_at, src)
-        gstate = t.call(addrs["PyGILState_Ensure"], (), stack_top, timeout, "PyGILState_Ensure") & 0xFFFFFFFF
-        rc = t.call(addrs["PyRun_SimpleStringFlags"], (text_at, 0), stack_top, timeout, "PyRun_SimpleStringFlags") & 0xFFFFFFFF
-        t.call(addrs["PyGILState_Release"], (gstate,), stack_top, timeout, "PyGILState_Release")
+        # Once a call has begun it is waited for far longer: a thread abandoned inside the GIL's
+        # wait, or holding the GIL, leaves the interpreter broken (seen: its main thread never
+        # ran again).  From a safe point the wait is for the GIL alone, which others give up.
+        wait = max(timeout, CALL_S)
+        gstate = t.call(addrs["PyGILState_Ensure"], (), stack_top, wait, "PyGILState_Ensure") & 0xFFFFFFFF
+        rc = t.call(addrs["PyRun_SimpleStringFlags"], (text_at, 0), stack_top, wait, "PyRun_SimpleStringFlags") & 0xFFFFFFFF
+        t.call(addrs["PyGILState_Release"], (gstate,), stack_top, wait, "PyGILState_Release")
         return -1 if rc == 0xFFFFFFFF else rc
     finally:
-        if saved is not None and t.attached:
-            t.restore(saved)
+        try:
+            if saved is not None and t.attached:
+                t.restore(saved)
+        except TargetError:
+            pass   # gone: nothing to put back
         t.detach()

@@ -108,6 +108,10 @@ def test_another_tracer_means_denied_and_untouched():
         p.kill()
 
 
+# Two threads that want the GIL all the time: the main thread waits for it most of the time.
+# They give it up now and then (sleep(0)); with sched_yield there instead, CPython left the
+# main thread without the GIL for seconds at a time on its own, so no test could say when it
+# would next make a system call.
 CONTENDED = """
 import os, threading, time
 def spin():
@@ -115,7 +119,7 @@ def spin():
     while True:
         x += 1
         if x % 100000 == 0:
-            os.sched_yield()
+            time.sleep(0)
 for _ in range(2):
     threading.Thread(target=spin, daemon=True).start()
 n = 0
@@ -124,6 +128,51 @@ while True:
     if n % 7 == 0:
         time.sleep(0.0005)
 """
+
+
+# Each time the main thread goes to sleep, a second thread then takes the GIL and keeps it
+# for about 3 s inside one C call (sum over a range never lets go of it).
+GIL_HELD = """
+import sys, threading, time
+go = threading.Event()
+def hold():
+    while True:
+        go.wait()
+        go.clear()
+        time.sleep(0.1)     # the main thread goes to sleep first
+        sum(range(HOLD))
+threading.Thread(target=hold, daemon=True).start()
+while True:
+    go.set()
+    print("asleep", flush=True)
+    time.sleep(2.9)
+"""
+
+
+def _hold_for(seconds: float) -> int:
+    """A range whose sum takes about `seconds` here."""
+    t0 = time.perf_counter()
+    sum(range(2_000_000))
+    return int(2_000_000 * seconds / max(time.perf_counter() - t0, 1e-6))
+
+
+def test_an_injected_call_waits_for_the_gil_past_the_timeout(tmp_path):
+    """The timeout bounds the search for a safe point.  A call once begun is waited for: abandoned
+    inside the GIL's wait, an interpreter's main thread was seen never to run again."""
+    out = tmp_path / "ran"
+    p = subprocess.Popen([sys.executable, "-c", GIL_HELD.replace("HOLD", str(_hold_for(3.0)))],
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        for i in range(2):
+            assert p.stdout.readline() == "asleep\n"
+            time.sleep(0.3)   # main thread asleep; the other has had time to take the GIL for ~3 s
+            t0 = time.monotonic()
+            assert ptrace.run_code(p.pid, f"open({str(out)!r}, 'a').write('{i}\\n')", timeout=1) == 0
+            assert time.monotonic() - t0 > 1.0   # the call outwaited the timeout of 1 s
+        assert out.read_text().split() == ["0", "1"]
+        _untouched(p)
+    finally:
+        p.kill()
 
 
 def test_repeated_injection_into_a_gil_contended_interpreter(tmp_path):
