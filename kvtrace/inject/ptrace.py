@@ -142,20 +142,17 @@ class Tracee:
         if nr == SYS_WRITE and r.rdi & 0xFFFFFFFF == MARKER_FD:
             return False
         if nr in (SYS_FUTEX, SYS_FUTEX_WAITV):
-            if self._areas is None:
-                self._areas = self._lock_areas()
-            return not any(lo <= r.rdi < hi for lo, hi in self._areas)
+            return not self._in_lock_areas(r.rdi)
         return True
 
     def lock_wait(self, r: Regs) -> bool:
         """A wait on the interpreter's or libc's own locks (the GIL among them), or its resumption."""
-        if r.orig_rax == SYS_RESTART:
-            return True
-        if r.orig_rax != SYS_FUTEX:
-            return False
+        return r.orig_rax == SYS_RESTART or r.orig_rax == SYS_FUTEX and self._in_lock_areas(r.rdi)
+
+    def _in_lock_areas(self, addr: int) -> bool:
         if self._areas is None:
             self._areas = self._lock_areas()
-        return any(lo <= r.rdi < hi for lo, hi in self._areas)
+        return any(lo <= addr < hi for lo, hi in self._areas)
 
     def regs(self) -> Regs:
         r = Regs()
