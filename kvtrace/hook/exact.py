@@ -22,6 +22,9 @@ running request and step.
         return r
 
 ``pre``, ``post`` and ``abort`` must not raise (the hook's own catch and count errors).
+``inline(orig, body, env, names, name)`` generates the same kind of function with any body,
+``{call}`` standing for the call of ``orig``: for the hook's hottest methods, its work written
+into the wrapper instead of a pre and a post call.
 Only plain parameters can be spelled out: ``why_not(orig)`` names a positional-only,
 keyword-only or variadic one, and the hook then leaves vLLM untouched.
 """
@@ -51,13 +54,37 @@ def why_not(func, names=()) -> str | None:
     return None
 
 
+EXACT_BODY = """\
+_kv_t = _kv_pre({pre_args})
+if _kv_t is None:
+    return {call}
+try:
+    _kv_r = {call}
+except BaseException:
+    _kv_abort(self, _kv_t)
+    raise
+_kv_post(self, _kv_t, _kv_r)
+return _kv_r
+"""
+
+
 def exact(orig, pre, post, abort, names, name: str):
     """The function above, for orig (TypeError when why_not says it cannot be made)."""
+    return inline(orig, EXACT_BODY.replace("{pre_args}", ", ".join(("self", *names))),
+                  {"_kv_pre": pre, "_kv_post": post, "_kv_abort": abort}, names, name)
+
+
+def inline(orig, body: str, env: dict, names, name: str):
+    """A function with orig's own parameters (and default objects) whose body is ``body``:
+    Python source in which ``{call}`` stands for orig called with every parameter, the
+    parameters in ``names`` (checked present) may be read, and the globals are ``env`` (names
+    starting ``_kv``, as must the body's own locals: they cannot clash with a parameter).  For
+    a hot method, the hook's work written into the body saves the calls of a pre and a post."""
     why = why_not(orig, names)
     if why:
         raise TypeError(f"{name} {why}")
     params = _params(orig)
-    ns = {"_kv_orig": orig, "_kv_pre": pre, "_kv_post": post, "_kv_abort": abort}
+    ns = {"_kv_orig": orig, **env}
     spelled = []
     for i, p in enumerate(params):
         if p.default is p.empty:
@@ -66,17 +93,8 @@ def exact(orig, pre, post, abort, names, name: str):
             ns[f"_kv_default{i}"] = p.default     # the very object orig would use
             spelled.append(f"{p.name}=_kv_default{i}")
     call = f"_kv_orig({', '.join(p.name for p in params)})"
-    src = (f"def {name}({', '.join(spelled)}):\n"
-           f"    _kv_t = _kv_pre({', '.join(('self', *names))})\n"
-           f"    if _kv_t is None:\n"
-           f"        return {call}\n"
-           f"    try:\n"
-           f"        _kv_r = {call}\n"
-           f"    except BaseException:\n"
-           f"        _kv_abort(self, _kv_t)\n"
-           f"        raise\n"
-           f"    _kv_post(self, _kv_t, _kv_r)\n"
-           f"    return _kv_r\n")
+    lines = body.replace("{call}", call).splitlines()
+    src = f"def {name}({', '.join(spelled)}):\n" + "".join(f"    {line}\n" for line in lines)
     exec(compile(src, f"<kvtrace hook: {name}>", "exec"), ns)
     return ns[name]
 

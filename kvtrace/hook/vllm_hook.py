@@ -30,14 +30,14 @@ import threading
 import time
 
 try:
-    from kvtrace.hook.exact import exact, why_not, wrapper
+    from kvtrace.hook.exact import exact, inline, why_not, wrapper
     from kvtrace.hook.transport import Transport, agent_pids, owner_live
     from kvtrace.hook.wire import CODEC, EVICTS_MAX
 except ImportError:  # imported from a path where kvtrace is not installed: use the sibling files
     _root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, _root)
     try:
-        from kvtrace.hook.exact import exact, why_not, wrapper
+        from kvtrace.hook.exact import exact, inline, why_not, wrapper
         from kvtrace.hook.transport import Transport, agent_pids, owner_live
         from kvtrace.hook.wire import CODEC, EVICTS_MAX
     finally:
@@ -72,13 +72,12 @@ _LOCK = threading.Lock()
 _REGISTRY: dict[tuple[type, str], tuple[bool, object, object]] = {}
 _STATUS: dict = {"installed": False, "roles": [], "patched": [], "reason": "not installed"}
 _MARK = "__kvtrace_original__"
-_ON = False  # engine records wanted (set per step from T.enabled)
 
 
 class _Engine:
     """EngineCore state, reset whenever the agent goes away."""
 
-    __slots__ = ("on", "step", "cur_req", "last_alloc", "reqs", "alloc", "steps", "evicted", "ev",
+    __slots__ = ("on", "rec", "step", "cur_req", "last_alloc", "reqs", "alloc", "steps", "evicted", "ev",
                  "alloc_failures", "broken", "seen_check", "agent_pid")
 
     def __init__(self):
@@ -86,6 +85,7 @@ class _Engine:
 
     def reset(self):
         self.on = False
+        self.rec = False                      # records wanted (on, and vLLM's data as expected)
         self.step = 0
         self.cur_req = ""
         self.last_alloc = ""                  # the request of the latest allocate_slots (preemptions)
@@ -101,6 +101,9 @@ class _Engine:
 
 
 class _Worker:
+    __slots__ = ("active", "on", "seen_check", "agent_pid", "seq", "depth", "source", "t_bind", "load_t0",
+                 "load_t1", "waits", "wait_ns", "last_wait_end")
+
     def __init__(self):
         self.active = False
         self.on = False
@@ -275,11 +278,9 @@ def _hot(on: bool) -> None:
 
 
 def _engine_on(sched) -> None:
-    global _ON
     _hot(True)
     S.reset()
-    S.on = True
-    _ON = True
+    S.on = S.rec = True
     for attr in ("requests", "current_step", "running", "waiting", "kv_cache_manager"):
         if not hasattr(sched, attr):
             S.broken = f"Scheduler has no attribute {attr!r}"
@@ -287,15 +288,13 @@ def _engine_on(sched) -> None:
     if not S.broken and not hasattr(pool, "cached_block_hashes_by_block"):
         S.broken = "KVCacheManager.block_pool has no cached_block_hashes_by_block"
     if S.broken:
-        _ON = False
+        S.rec = False
         log.warning("kvtrace hook: records off in this process: %s", S.broken)
     _new_agent(S)
     _hook_start("engine")
 
 
 def _engine_off() -> None:
-    global _ON
-    _ON = False
     S.reset()
     with _LOCK:
         _Q.clear()
@@ -507,7 +506,7 @@ def _idle(sched) -> bool:
 
 def _preempt_pre(self, request):
     """Scheduler._preempt_request: (request, its id, computed tokens, tokens) before it."""
-    if not _ON:
+    if not S.rec:
         return None
     try:
         return (request, request.request_id, request.num_computed_tokens, request.num_tokens)
@@ -528,31 +527,30 @@ def _preempt_post(self, t, out) -> None:
 
 ALLOC_PARAMS = ("request", "num_new_computed_tokens", "new_computed_blocks", "num_external_computed_tokens")
 
-
-def _allocate_pre(self, request, local, blocks, external):
-    """KVCacheManager.allocate_slots: the request allocating (its evictions and a preemption are
-    its doing) and, at an admission, the prefix-cache hit that comes with it.  Returns the
-    request allocating before (allocations do not nest in vLLM 0.32; restored after)."""
-    if not _ON:
-        return None
-    prev = S.cur_req
-    try:
-        S.cur_req = S.last_alloc = request.request_id
-        if blocks is not None:   # an admission
-            _note_admission_alloc(request, local, blocks, external)
-    except Exception as e:
-        T.error(e)
-    return prev
-
-
-def _allocate_post(self, prev, out) -> None:
-    S.cur_req = prev
-    if out is None:
-        S.alloc_failures += 1
-
-
-def _allocate_abort(self, prev) -> None:
-    S.cur_req = prev
+# KVCacheManager.allocate_slots, once per running request and step: the request allocating (its
+# evictions and a preemption are its doing) and, at an admission, the prefix-cache hit that
+# comes with it; a None result is an allocation failure.  Allocations do not nest in vLLM 0.32;
+# the request allocating before is restored after.  Written into the wrapper (kvtrace.hook.exact
+# inline): a pre and a post function cost more than the work.
+ALLOCATE_BODY = """\
+_kv_s = _kv_S
+if not _kv_s.rec:
+    return {call}
+_kv_prev = _kv_s.cur_req
+try:
+    _kv_s.cur_req = _kv_s.last_alloc = request.request_id
+    if new_computed_blocks is not None:
+        _kv_admission(request, num_new_computed_tokens, new_computed_blocks, num_external_computed_tokens)
+except Exception as _kv_e:
+    _kv_error(_kv_e)
+try:
+    _kv_r = {call}
+finally:
+    _kv_s.cur_req = _kv_prev
+if _kv_r is None:
+    _kv_s.alloc_failures += 1
+return _kv_r
+"""
 
 
 def _note_admission_alloc(request, local, blocks, external) -> None:
@@ -567,28 +565,30 @@ def _note_admission_alloc(request, local, blocks, external) -> None:
     S.alloc[request.request_id] = (int(local or 0), int(external or 0), hit, last)
 
 
-def _evict_pre(self, block):
-    """BlockPool._maybe_evict_cached_block: (block id, hash, the block's other hashes) of a
-    cached block, which the call may drop from the prefix cache."""
-    if not _ON:
-        return None
+# BlockPool._maybe_evict_cached_block, once per block taken from the free queue: the block's
+# hashes (block_hash and the others it holds) are read before the call, which may drop them from
+# the prefix cache; a true result means it did.
+EVICT_BODY = """\
+_kv_key = None
+if _kv_S.rec:
     try:
-        key = block.block_hash
-        if key is None:   # not cached: nothing to evict
-            return None
-        bid = block.block_id
-        return (bid, key, self.cached_block_hashes_by_block.get(bid))
-    except Exception as e:
-        T.error(e)
-        return None
-
-
-def _evict_post(self, t, evicted) -> None:
-    if evicted:
-        try:
-            _note_evict(self, t[0], t[1], t[2])
-        except Exception as e:
-            T.error(e)
+        _kv_key = block.block_hash
+        if _kv_key is not None:
+            _kv_bid = block.block_id
+            _kv_extra = self.cached_block_hashes_by_block.get(_kv_bid)
+    except Exception as _kv_e:
+        _kv_error(_kv_e)
+        _kv_key = None
+if _kv_key is None:
+    return {call}
+_kv_r = {call}
+if _kv_r:
+    try:
+        _kv_note_evict(self, _kv_bid, _kv_key, _kv_extra)
+    except Exception as _kv_e:
+        _kv_error(_kv_e)
+return _kv_r
+"""
 
 
 def _note_evict(pool, bid: int, key: bytes, extra) -> None:
@@ -668,10 +668,44 @@ def _layer_done(self, t0, out=None) -> None:
 
 def _save_done(self, t0, out=None) -> None:
     W.depth -= 1
+    _save_end(t0)
+
+
+def _save_end(t0: int) -> None:
     try:
         _worker_step_end(t0, _monotonic_ns())
     except Exception as e:
         T.error(e)
+
+
+# The same three, written into wrappers with the connector's own parameters (kvtrace.hook.exact
+# inline): wait_for_layer_load runs once per layer and step, and a pre and a post function per
+# call would cost more than the timing.  Only attribute writes on W happen after the call.
+_TIMED_HEAD = """\
+_kv_w = _kv_W
+if not _kv_w.active or _kv_w.depth:
+    return {call}
+_kv_w.depth = 1
+_kv_t0 = _kv_mono()
+try:
+    return {call}
+finally:
+    _kv_w.depth = 0
+"""
+LOAD_BODY = _TIMED_HEAD + """\
+    if not _kv_w.load_t0:
+        _kv_w.load_t0 = _kv_t0
+    _kv_w.load_t1 = _kv_mono()
+"""
+LAYER_BODY = _TIMED_HEAD + """\
+    _kv_t1 = _kv_mono()
+    _kv_w.waits += 1
+    _kv_w.wait_ns += _kv_t1 - _kv_t0
+    _kv_w.last_wait_end = _kv_t1
+"""
+SAVE_BODY = _TIMED_HEAD + """\
+    _kv_save_end(_kv_t0)
+"""
 
 
 def _worker_step_end(t_save0: int, t_save1: int) -> None:
@@ -754,10 +788,13 @@ def _nothing_after(self, t, out) -> None:
     """post: nothing to do after vLLM's method."""
 
 
-def _any_params(pre, post, abort):
-    """The wrapper factory of a connector method: kvtrace.hook.exact.wrapper (its own
-    parameters where they are all plain, else *args/**kwargs)."""
+def _any_params(pre, post, abort, body=None):
+    """The wrapper factory of a connector method: ``body`` written into a function with its
+    own parameters where they are all plain, else kvtrace.hook.exact.wrapper (pre, the
+    method, post; through *args/**kwargs where the parameters are not plain)."""
     def wrap(orig):
+        if body is not None and why_not(orig) is None:
+            return inline(orig, body, _ENV, (), orig.__name__)
         return wrapper(orig, pre, post, abort, orig.__name__)
 
     return wrap
@@ -768,9 +805,9 @@ def _any_params(pre, post, abort):
 # *args/**kwargs (start_load_kv takes **kwargs in vLLM's base class)
 CONNECTOR_METHODS = {
     "bind_connector_metadata": (["self", "connector_metadata"], _any_params(_bind_pre, _nothing_after, _nothing)),
-    "start_load_kv": (["self", "forward_context"], _any_params(_timed_pre, _load_done, _load_done)),
-    "wait_for_layer_load": (["self", "layer_name"], _any_params(_timed_pre, _layer_done, _layer_done)),
-    "wait_for_save": (["self"], _any_params(_timed_pre, _save_done, _save_done)),
+    "start_load_kv": (["self", "forward_context"], _any_params(_timed_pre, _load_done, _load_done, LOAD_BODY)),
+    "wait_for_layer_load": (["self", "layer_name"], _any_params(_timed_pre, _layer_done, _layer_done, LAYER_BODY)),
+    "wait_for_save": (["self"], _any_params(_timed_pre, _save_done, _save_done, SAVE_BODY)),
 }
 
 
@@ -785,6 +822,11 @@ def _patch_connector_class(cls: type) -> None:
         return
     for name, (_, wrap) in CONNECTOR_METHODS.items():
         _patch(cls, name, wrap)
+
+
+# What the inlined wrappers' bodies call and read (their globals).
+_ENV = {"_kv_S": S, "_kv_W": W, "_kv_mono": _monotonic_ns, "_kv_error": T.error,
+        "_kv_admission": _note_admission_alloc, "_kv_note_evict": _note_evict, "_kv_save_end": _save_end}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -822,8 +864,8 @@ def _engine_targets():
          _exactly(_preempt_pre, _preempt_post, names=("request",))),
         (KVCacheManager, "allocate_slots", ["self", "request", "num_new_tokens", "num_new_computed_tokens",
                                             "new_computed_blocks"],
-         _exactly(_allocate_pre, _allocate_post, _allocate_abort, ALLOC_PARAMS)),
-        (BlockPool, "_maybe_evict_cached_block", ["self", "block"], _exactly(_evict_pre, _evict_post, names=("block",))),
+         _inlined(ALLOCATE_BODY, ALLOC_PARAMS)),
+        (BlockPool, "_maybe_evict_cached_block", ["self", "block"], _inlined(EVICT_BODY, ("block",))),
     ]
 
 
@@ -832,6 +874,16 @@ def _exactly(pre, post, abort=_nothing, names=()):
     method's own parameters (kvtrace.hook.exact)."""
     def wrap(orig):
         return exact(orig, pre, post, abort, names, orig.__name__)
+
+    wrap.why_not = lambda func: why_not(func, names)
+    return wrap
+
+
+def _inlined(body: str, names=()):
+    """The wrapper factory of a hot engine method: ``body`` written into a function with the
+    method's own parameters (kvtrace.hook.exact inline)."""
+    def wrap(orig):
+        return inline(orig, body, _ENV, names, orig.__name__)
 
     wrap.why_not = lambda func: why_not(func, names)
     return wrap
@@ -1016,8 +1068,7 @@ def _patch_live_connector() -> None:
 
 def uninstall() -> None:
     """Restore every wrapped attribute (also those left by another copy of this module)."""
-    global _ON
-    _ON = False
+    S.rec = False
     for (cls, attr), (had_own, original, wrapper) in list(_REGISTRY.items()):
         try:
             if cls.__dict__.get(attr) is wrapper:

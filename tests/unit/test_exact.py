@@ -109,3 +109,79 @@ def test_wrapper_falls_back_to_args_and_kwargs_where_parameters_are_not_plain():
         wait(c, "bad")
     assert calls == [("pre", "Conn"), ("post", 7, (1, {"x": 2})), ("pre", "Conn"), ("post", 7, "l0"),
                      ("pre", "Conn"), ("abort", 7)]
+
+
+def test_inline_writes_a_body_around_the_call_with_the_parameters_checked():
+    from kvtrace.hook.exact import inline
+
+    seen = []
+    body = "_kv_seen.append((request, blocks))\ntry:\n    return {call}\nfinally:\n    _kv_seen.append('after')\n"
+    w = inline(Pool.allocate, body, {"_kv_seen": seen}, ("request", "blocks"), "allocate")
+    p = Pool()
+    assert w(p, "r", 2, blocks="b") == Pool.allocate(p, "r", 2, blocks="b")
+    assert w(p, "r", 2)[4] is True                     # orig's own default object
+    with pytest.raises(ValueError, match="negative"):
+        w(p, "x", -1)
+    assert seen == [("r", "b"), "after", ("r", None), "after", ("x", None), "after"]
+    with pytest.raises(TypeError, match="allocate has no parameter 'missing'"):
+        inline(Pool.allocate, body, {}, ("missing",), "allocate")
+
+
+def _inlined_hook(monkeypatch):
+    """The hook's inlined wrappers on stand-ins of vLLM's classes, with records on."""
+    from kvtrace.hook import vllm_hook as hook
+
+    monkeypatch.setattr(hook.S, "rec", True)
+    monkeypatch.setattr(hook.S, "cur_req", "outer")
+    errors = hook.T.errors
+    return hook, errors
+
+
+def test_the_inlined_allocate_restores_the_allocating_request_and_counts_its_own_errors(monkeypatch):
+    hook, errors = _inlined_hook(monkeypatch)
+
+    class Manager:
+        def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None,
+                           num_external_computed_tokens=0):
+            if num_new_tokens < 0:
+                raise RuntimeError("vLLM's own error")
+            return None if num_new_tokens > 100 else (hook.S.cur_req, num_new_tokens)
+
+    class Req:
+        request_id = "r1"
+
+    alloc = hook._inlined(hook.ALLOCATE_BODY, hook.ALLOC_PARAMS)(Manager.allocate_slots)
+    failures = hook.S.alloc_failures
+    m = Manager()
+    assert alloc(m, Req(), 4) == ("r1", 4) and hook.S.cur_req == "outer" and hook.S.last_alloc == "r1"
+    assert alloc(m, Req(), 101) is None and hook.S.alloc_failures == failures + 1
+    with pytest.raises(RuntimeError, match="vLLM's own error"):
+        alloc(m, Req(), -1)
+    assert hook.S.cur_req == "outer"
+    assert alloc(m, object(), 4) == ("outer", 4)       # no request_id: counted, vLLM's call still made
+    assert hook.T.errors == errors + 1
+
+
+def test_the_inlined_layer_wait_times_only_the_outermost_call_and_survives_the_connectors_error(monkeypatch):
+    hook, _ = _inlined_hook(monkeypatch)
+
+    class Conn:
+        def wait_for_layer_load(self, layer_name):
+            if layer_name == "bad":
+                raise KeyError(layer_name)
+            if layer_name == "nested":
+                return wait(self, "inner")
+            return layer_name
+
+    wait = hook._any_params(hook._timed_pre, hook._layer_done, hook._layer_done, hook.LAYER_BODY)(Conn.wait_for_layer_load)
+    assert wait.__code__.co_filename == "<kvtrace hook: wait_for_layer_load>"
+    monkeypatch.setattr(hook.W, "active", True)
+    monkeypatch.setattr(hook.W, "waits", 0)
+    monkeypatch.setattr(hook.W, "wait_ns", 0)
+    c = Conn()
+    assert wait(c, "l0") == "l0" and wait(c, layer_name="nested") == "inner"
+    with pytest.raises(KeyError):
+        wait(c, "bad")
+    assert hook.W.waits == 3 and hook.W.depth == 0 and hook.W.wait_ns > 0
+    monkeypatch.setattr(hook.W, "active", False)       # not in a recorded Worker step: not timed
+    assert wait(c, "l1") == "l1" and hook.W.waits == 3
