@@ -133,6 +133,12 @@ def _inlined_hook(monkeypatch):
 
     monkeypatch.setattr(hook.S, "rec", True)
     monkeypatch.setattr(hook.S, "cur_req", "outer")
+    # everything the wrappers write is put back after the test (the module's state is shared)
+    for obj, attrs in ((hook.S, ("last_alloc", "alloc_failures")),
+                       (hook.W, ("active", "depth", "waits", "wait_ns", "last_wait_end")),
+                       (hook.T, ("errors", "last_error"))):
+        for attr in attrs:
+            monkeypatch.setattr(obj, attr, getattr(obj, attr))
     errors = hook.T.errors
     return hook, errors
 
@@ -175,13 +181,11 @@ def test_the_inlined_layer_wait_times_only_the_outermost_call_and_survives_the_c
 
     wait = hook._any_params(hook._timed_pre, hook._layer_done, hook._layer_done, hook.LAYER_BODY)(Conn.wait_for_layer_load)
     assert wait.__code__.co_filename == "<kvtrace hook: wait_for_layer_load>"
-    monkeypatch.setattr(hook.W, "active", True)
-    monkeypatch.setattr(hook.W, "waits", 0)
-    monkeypatch.setattr(hook.W, "wait_ns", 0)
+    hook.W.active, hook.W.waits, hook.W.wait_ns = True, 0, 0
     c = Conn()
     assert wait(c, "l0") == "l0" and wait(c, layer_name="nested") == "inner"
     with pytest.raises(KeyError):
         wait(c, "bad")
     assert hook.W.waits == 3 and hook.W.depth == 0 and hook.W.wait_ns > 0
-    monkeypatch.setattr(hook.W, "active", False)       # not in a recorded Worker step: not timed
+    hook.W.active = False                              # not in a recorded Worker step: not timed
     assert wait(c, "l1") == "l1" and hook.W.waits == 3
