@@ -13,7 +13,7 @@ of the per-step times.  The stand-in's steps are short, so "attached" sends almo
 "attached_write_each_step" sends one per step, and the difference is the cost of one marker
 write (`write_cost_us`).
 
-    <vllm python> bench/hookstep.py [--short] --rounds 5 --json out.json      (under kvtrace attach)
+    <vllm python> bench/hookstep.py [--short] [--layers N] --rounds 5 --json out.json      (under kvtrace attach)
 
 Standard library and vLLM only (kvtrace's hook and workload are imported from the repository
 by path).
@@ -60,14 +60,18 @@ def make_scheduler_factory():
 
     def new():
         kv = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[],
-                           kv_cache_groups=[KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(2)], spec)])
+                           kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
         return Scheduler(vllm_config=config, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(config),
                          block_size=BLOCK, log_stats=True)
 
     return new, hasher
 
 
-LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]   # the tiny model's attention layers
+def layer_names(n: int) -> list[str]:
+    return [f"model.layers.{i}.self_attn.attn" for i in range(n)]
+
+
+LAYERS = layer_names(2)   # the tiny model's attention layers (--layers: another model's count)
 
 
 def make_connector():
@@ -158,7 +162,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--short", action="store_true", help="the short round of bench/overhead.py --short")
     ap.add_argument("--json")
+    ap.add_argument("--layers", type=int, default=2, help="attention layers: wait_for_layer_load calls per Worker step")
     a = ap.parse_args()
+    LAYERS[:] = layer_names(a.layers)
     import logging
 
     logging.disable(logging.WARNING)
@@ -218,7 +224,7 @@ def main() -> int:
         "fastest_step_us": {m: round(sum(f) / len(f) * 1e6, 2) for m, f in fastest.items()},
         "hook_cost_fastest_us": {m: round((sum(fastest[m]) / len(fastest[m]) - sum(fastest["none"]) / len(fastest["none"])) * 1e6, 2)
                                  for m in modes if m != "none"},
-        "records_emitted": emitted, "attached_measured": attached_possible,
+        "records_emitted": emitted, "attached_measured": attached_possible, "layers": len(LAYERS),
     }
     if attached_possible:   # one marker write, from the per-round differences of the two attached modes
         writes = sorted(x - y for x, y in zip(per_step["attached_write_each_step"], per_step["attached"]))

@@ -20,7 +20,11 @@ each, and the agent's /metrics scrapes times what one costs the API server, each
 of the server's CPU.  The hook's cost per engine step, detached
 and attached, comes from bench/hookstep.py in vLLM's interpreter under `kvtrace attach`.
 
-    sudo .venv/bin/python bench/overhead.py [--short] [--json out.json]
+    sudo .venv/bin/python bench/overhead.py [--short] [--accounted-only] [--model tiny|small] [--json out.json]
+
+--model small: the same with a random-weight Llama of 8 layers of width 1024 instead of the
+tests' 2 of 256.  kvtrace's costs are paid per step, per system call and per scrape, not per
+FLOP, so their share of the server's CPU falls as a step costs more.
 
 Nothing here asserts a speed.
 """
@@ -44,26 +48,27 @@ import psutil
 
 from vllmbench import CONCURRENCY, PY, ROOT, Agent, free_port, kvtrace_importable_env, one_round, requests, spread  # noqa: E402
 
-from kvtrace.vllm.server import VllmServer, demo_args, vllm_python  # noqa: E402
+from kvtrace.vllm.server import MODELS, VllmServer, demo_args, vllm_python  # noqa: E402
 
 SETTLE_S = 3.0
 
 
-def start_server(work: Path, cores: set[int] | None = None) -> VllmServer:
-    """The demo's server; with ``cores``, all its processes and its OpenMP threads on those
-    cores only (this process's own affinity is restored once they have started)."""
+def start_server(work: Path, cores: set[int] | None = None, model: str = "tiny") -> VllmServer:
+    """The demo's server (with ``model``, a key of kvtrace.vllm.server.MODELS); with ``cores``,
+    all its processes and its OpenMP threads on those cores only (this process's own affinity
+    is restored once they have started)."""
     port = free_port()
     zport = free_port(avoid=(port,))
     args = demo_args(work, zport)   # the demo's server
     # no plugin: the hook gets in by live injection on each attach, and leaves on each detach
     env = {"VLLM_PLUGINS": "", "VLLM_SERVER_DEV_MODE": "1", **kvtrace_importable_env()}  # the file connector
     if not cores:
-        return VllmServer(args=args, port=port, env=env, workdir=work).start()
+        return VllmServer(args=args, port=port, env=env, workdir=work, model_name=model).start()
     env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(cores)))
     mine = os.sched_getaffinity(0)
     os.sched_setaffinity(0, cores)          # inherited by the server's processes
     try:
-        server = VllmServer(args=args, port=port, env=env, workdir=work)
+        server = VllmServer(args=args, port=port, env=env, workdir=work, model_name=model)
         server.start()
     finally:
         os.sched_setaffinity(0, mine - cores or mine)
@@ -364,7 +369,7 @@ def hook_frames(ds) -> int:
     return t.group_by(["pid", "mark_ns"]).aggregate([]).num_rows
 
 
-def vllm_ab(short: bool, pin: bool = False, accounted_only: bool = False) -> dict:
+def vllm_ab(short: bool, pin: bool = False, accounted_only: bool = False, model: str = "tiny") -> dict:
     """Interleaved A/B phases.  With ``pin``, the server runs on a core of its own and the
     agent and the client on the others: a GPU server's layout, where the engine's CPU threads
     are not shared with the agent."""
@@ -383,7 +388,7 @@ def vllm_ab(short: bool, pin: bool = False, accounted_only: bool = False) -> dic
     cores = split_cores() if pin else None
     if pin and cores is None:
         return {"skipped": "fewer than 2 cores: no core to give the server alone"}
-    server = start_server(work, cores[0] if cores else None)
+    server = start_server(work, cores[0] if cores else None, model)
     rounds = []
     agent_cpu, agent_rss = [], []
     try:
@@ -431,7 +436,7 @@ def vllm_ab(short: bool, pin: bool = False, accounted_only: bool = False) -> dic
         if cores:
             os.sched_setaffinity(0, cores[0] | cores[1])
     if accounted_only:
-        return {"accounted": accounted, "load_average": round(os.getloadavg()[0], 2),
+        return {"accounted": accounted, "load_average": round(os.getloadavg()[0], 2), "model": model,
                 "server_cores": sorted(cores[0]) if cores else None}
     a = [r for r in rounds if r["mode"] == "A"]
     b = [r for r in rounds if r["mode"] == "B"]
@@ -448,7 +453,7 @@ def vllm_ab(short: bool, pin: bool = False, accounted_only: bool = False) -> dic
         r["tokens_per_s"] = round(r["tokens_per_s"], 2)
         r["ttft_p50_s"] = round(r["ttft_p50_s"], 4)
     return {
-        "requests": len(reqs), "concurrency": concurrency, "pairs": pairs, "rounds_per_phase": per_phase, "rounds": rounds,
+        "model": model, "requests": len(reqs), "concurrency": concurrency, "pairs": pairs, "rounds_per_phase": per_phase, "rounds": rounds,
         "otlp": receiver is not None,
         "tokens_per_s": {"A": round(mean_a, 2), "B": round(mean_b, 2)},
         "tokens_per_s_ratio": spread(tps), "ttft_p50_ratio": spread(ttft),
@@ -467,13 +472,15 @@ def vllm_ab(short: bool, pin: bool = False, accounted_only: bool = False) -> dic
     }
 
 
-def hook_cost(short: bool) -> dict:
-    """bench/hookstep.py in vLLM's interpreter, under kvtrace attach (so 'attached' is real)."""
+def hook_cost(short: bool, layers: int = 2) -> dict:
+    """bench/hookstep.py in vLLM's interpreter, under kvtrace attach (so 'attached' is real),
+    with the model's count of layers (a wait_for_layer_load call each per Worker step)."""
     with tempfile.TemporaryDirectory() as d:
         res = os.path.join(d, "hook.json")
         rounds = "3" if short else "15"
         p = subprocess.run([PY, "-m", "kvtrace", "attach", "--quiet", "--out", os.path.join(d, "ds"), "--",
-                            vllm_python(), str(ROOT / "bench" / "hookstep.py"), "--rounds", rounds, "--json", res]
+                            vllm_python(), str(ROOT / "bench" / "hookstep.py"), "--rounds", rounds, "--json", res,
+                            "--layers", str(layers)]
                            + (["--short"] if short else []),
                            capture_output=True, text=True, timeout=1800)
         if p.returncode != 0 or not os.path.exists(res):
@@ -493,14 +500,17 @@ def main() -> None:
     ap.add_argument("--skip-vllm", action="store_true", help="only the hook's cost per step")
     ap.add_argument("--accounted-only", action="store_true",
                     help="no A/B phases: the hook's cost and one accounted phase per layout")
+    ap.add_argument("--model", choices=sorted(MODELS), default="tiny",
+                    help="the server's random-weight Llama: tiny (2 layers of 256, the tests' model) or small "
+                         "(8 layers of 1024: 3-4 times the CPU a step)")
     a = ap.parse_args()
     if not os.path.exists(vllm_python()):
         result = {"skipped": f"no vLLM interpreter at {vllm_python()} (scripts/setup-vllm, or set KVTRACE_VLLM_PYTHON)"}
     else:
-        result = {"hook": hook_cost(a.short)}
+        result = {"model": a.model, "hook": hook_cost(a.short, MODELS[a.model]["num_hidden_layers"])}
         if not a.skip_vllm:
-            result["vllm"] = vllm_ab(a.short, accounted_only=a.accounted_only)
-            result["vllm_pinned"] = vllm_ab(a.short, pin=True, accounted_only=a.accounted_only)
+            result["vllm"] = vllm_ab(a.short, accounted_only=a.accounted_only, model=a.model)
+            result["vllm_pinned"] = vllm_ab(a.short, pin=True, accounted_only=a.accounted_only, model=a.model)
             per_step = result["hook"]["hook_cost_us"].get("attached")
             # one marker write: the larger of its two estimates (median and fastest rounds)
             per_write = max(result["hook"].get("write_cost_us", 0.0), result["hook"].get("write_cost_fastest_us", 0.0), 0.0)

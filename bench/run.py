@@ -1,6 +1,6 @@
 """Run every benchmark and write a results table (bench/results/results.{md,json}).
 
-    sudo .venv/bin/python bench/run.py           # full mode, by hand
+    sudo .venv/bin/python bench/run.py           # full mode, by hand (also overhead.py --model small)
     sudo .venv/bin/python bench/run.py --short   # CI: short runs, so the suite cannot rot
 
 Benchmarks report ratios and rates measured side by side in one run; nothing here
@@ -19,6 +19,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BENCHES = ["capacity", "correlate", "analysis", "overhead", "attach", "parquet"]
+# full mode only: the cost to a server whose steps cost 3-4 times the CPU (bench/overhead.py --model)
+FULL_ONLY = {"overhead_small": ("overhead", ["--model", "small"])}
 
 
 def machine() -> str:
@@ -64,8 +66,9 @@ def markdown(results: dict) -> str:
                   f"{a['analyze_cpu_s']} s CPU (load average {a['load_avg_1m']:.1f}; target under 5 s)",
                   f"- `whatif` replay: {w['lookups_per_s']:,} block lookups/s wall, {w['lookups_per_cpu_s']:,} per CPU second "
                   "(target 1M/s)"]
-    if "overhead" in results:
-        lines += overhead_markdown(results["overhead"])
+    for key in ("overhead", "overhead_small"):
+        if key in results:
+            lines += overhead_markdown(results[key])
     if "attach" in results:
         lines += attach_markdown(results["attach"])
     if "parquet" in results:
@@ -74,7 +77,8 @@ def markdown(results: dict) -> str:
 
 
 def overhead_markdown(o: dict) -> list[str]:
-    out = ["", "## Cost to a real vLLM server (bench/overhead.py)", ""]
+    model = o.get("model", "tiny")
+    out = ["", f"## Cost to a real vLLM server (bench/overhead.py, the {model} model)", ""]
     if "skipped" in o:
         return out + [f"- skipped: {o['skipped']}"]
     h = o["hook"]
@@ -85,7 +89,7 @@ def overhead_markdown(o: dict) -> list[str]:
     q = h["hook_cost_quartiles_us"]
     out += [
         f"- hook cost per engine step (a real vLLM Scheduler driven through the same round, "
-        f"{h['steps_per_stream']['none']} steps per stream, "
+        f"{h['steps_per_stream']['none']} steps per stream, {h.get('layers', 2)} layer waits a Worker step, "
         f"{h['rounds']} rounds, median of per-round differences; step without hook {h['median_step_us']['none']} µs): "
         + "; ".join(f"{m} {c} µs (quartiles {q[m][0]}..{q[m][2]})" for m, c in h["hook_cost_us"].items())
         + (f"; one marker write {h['write_cost_us']} µs (one send per step against one per interval)"
@@ -267,11 +271,12 @@ def main() -> int:
     out = HERE / "results"
     out.mkdir(exist_ok=True)
     results = {"date": dt.date.today().isoformat(), "machine": machine(), "short": a.short}
-    for name in BENCHES:
-        path = out / f"{name}{'-short' if a.short else ''}.json"
-        cmd = [sys.executable, str(HERE / f"{name}.py"), "--json", str(path)] + (["--short"] if a.short else [])
+    runs = {name: (name, []) for name in BENCHES} | ({} if a.short else FULL_ONLY)
+    for key, (name, extra) in runs.items():
+        path = out / f"{key}{'-short' if a.short else ''}.json"
+        cmd = [sys.executable, str(HERE / f"{name}.py"), "--json", str(path), *extra] + (["--short"] if a.short else [])
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        results[name] = json.loads(path.read_text())
+        results[key] = json.loads(path.read_text())
     suffix = "-short" if a.short else ""
     (out / f"results{suffix}.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / f"results{suffix}.md").write_text(markdown(results))

@@ -1,4 +1,5 @@
-"""Start and stop a real vLLM server (CPU build) with a tiny random-weight Llama.
+"""Start and stop a real vLLM server (CPU build) with a tiny random-weight Llama (or, for
+the overhead benchmark, a larger one: MODELS).
 
 Used by `kvtrace demo` and by the tests.  vLLM lives in its own venv (its interpreter is
 found from $KVTRACE_VLLM_PYTHON, default /var/cache/kvtrace/vllm-venv/bin/python); the model
@@ -28,6 +29,11 @@ TINY_LLAMA = {
     "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2,
     "tie_word_embeddings": False,
 }
+# 8 layers of width 1024 (about 155M parameters): a step costs this VM 3-4 times the CPU of the
+# tiny model's, most of it the model's own arithmetic rather than vLLM's Python around it
+SMALL_LLAMA = {**TINY_LLAMA, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
+               "num_attention_heads": 16, "num_key_value_heads": 4}
+MODELS = {"tiny": TINY_LLAMA, "small": SMALL_LLAMA}
 
 
 def vllm_python() -> str:
@@ -39,10 +45,10 @@ def vllm_python() -> str:
     return DEFAULT_PYTHON
 
 
-def write_tiny_model(directory: str | os.PathLike) -> Path:
+def write_tiny_model(directory: str | os.PathLike, config: dict = TINY_LLAMA) -> Path:
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps(TINY_LLAMA))
+    (d / "config.json").write_text(json.dumps(config))
     return d
 
 
@@ -76,11 +82,14 @@ class VllmServer:
     workdir: Path | None = None
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
+    model_name: str = "tiny"   # a key of MODELS
 
     def start(self, timeout: float = 600.0) -> "VllmServer":
         self.port = self.port or free_port()
         self.workdir = Path(self.workdir or tempfile.mkdtemp(prefix="kvtrace-vllm-"))
-        model = write_tiny_model(self.workdir / "tiny-llama")
+        if self.model_name not in MODELS:
+            raise ValueError(f"no model {self.model_name!r}: use one of {', '.join(MODELS)}")
+        model = write_tiny_model(self.workdir / f"{self.model_name}-llama", MODELS[self.model_name])
         self.model = str(model)
         self.log_path = self.workdir / "server.log"
         cmd = [

@@ -42,3 +42,47 @@ def test_top_calls_per_second_and_the_yields():
     by_nr = {24: 3000, 0: 200, 1: 400, 39: 100}
     assert overhead.top_syscalls(by_nr, 2.0, n=3) == {"sched_yield": 1500, "write": 200, "read": 100}
     assert overhead.yields(by_nr) == 3000 and overhead.yields({0: 5}) == 0
+
+
+def test_every_model_preset_is_written_as_given_and_fits_hookstep(tmp_path):
+    """bench/overhead.py --model: the server's config.json is the preset itself, and
+    bench/hookstep.py's KV spec (4 KV heads of 64) is the one every preset's layers have."""
+    import json
+
+    from kvtrace.vllm.server import MODELS, write_tiny_model
+
+    assert set(MODELS) == {"tiny", "small"}
+    for name, cfg in MODELS.items():
+        d = write_tiny_model(tmp_path / name, cfg)
+        assert json.loads((d / "config.json").read_text()) == cfg
+        assert cfg["num_key_value_heads"] == 4 and cfg["hidden_size"] // cfg["num_attention_heads"] == 64
+    assert MODELS["small"]["num_hidden_layers"] == 8 and MODELS["tiny"]["num_hidden_layers"] == 2
+
+
+def test_an_unknown_model_is_refused_before_anything_starts(tmp_path):
+    from kvtrace.vllm.server import VllmServer
+
+    s = VllmServer(workdir=tmp_path, model_name="huge", python="/nonexistent/python")
+    with pytest.raises(ValueError, match="no model 'huge': use one of tiny, small"):
+        s.start()
+    assert s.proc is None and list(tmp_path.iterdir()) == []
+
+
+def test_full_mode_report_of_the_small_model():
+    """bench/run.py's full-mode table (CI runs only --short) from a recorded
+    `bench/overhead.py --model small` run (2026-12-03 09:37): the model and its layer count are
+    named, and each layout's accounted total is the sum of its four recorded shares."""
+    import json
+
+    run = pytest.importorskip("run")
+    o = json.loads((Path(__file__).resolve().parents[1] / "data" / "bench-overhead-small.json").read_text())
+    lines = run.overhead_markdown(o)
+    assert lines[1] == "## Cost to a real vLLM server (bench/overhead.py, the small model)"
+    assert "8 layer waits a Worker step" in lines[-1]
+    text = "\n".join(lines)
+    for key in ("vllm", "vllm_pinned"):
+        acc = o[key]["accounted"]
+        total = (acc["bpf_pct_of_server_cpu"] + acc["hook_pct_of_server_cpu"] + acc["slow_path_pct_of_server_cpu"]
+                 + acc["metrics_pct_of_server_cpu"])
+        assert f"; total {total:.2f}%" in text
+    assert "; total 0.38%" in text and "; total 0.29%" in text   # as docs/performance.md gives them
