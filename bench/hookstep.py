@@ -33,6 +33,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK, BLOCKS, BUDGET = 32, 122, 256
+KV_HEADS, HEAD_SIZE = 4, 64   # every kvtrace.vllm.server.MODELS preset's attention layers
 
 
 def make_scheduler_factory():
@@ -56,7 +57,7 @@ def make_scheduler_factory():
     config.cache_config.num_gpu_blocks = BLOCKS      # what the engine sets after profiling
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK, sha256)
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=4, head_size=64, dtype=torch.bfloat16)
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=torch.bfloat16)
 
     def new():
         kv = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[],

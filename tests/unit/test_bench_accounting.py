@@ -46,16 +46,18 @@ def test_top_calls_per_second_and_the_yields():
 
 def test_every_model_preset_is_written_as_given_and_fits_hookstep(tmp_path):
     """bench/overhead.py --model: the server's config.json is the preset itself, and
-    bench/hookstep.py's KV spec (4 KV heads of 64) is the one every preset's layers have."""
+    bench/hookstep.py's KV spec (KV_HEADS heads of HEAD_SIZE) is the one every preset's layers have."""
     import json
 
     from kvtrace.vllm.server import MODELS, write_tiny_model
 
+    hookstep = pytest.importorskip("hookstep")
     assert set(MODELS) == {"tiny", "small"}
     for name, cfg in MODELS.items():
         d = write_tiny_model(tmp_path / name, cfg)
         assert json.loads((d / "config.json").read_text()) == cfg
-        assert cfg["num_key_value_heads"] == 4 and cfg["hidden_size"] // cfg["num_attention_heads"] == 64
+        assert cfg["num_key_value_heads"] == hookstep.KV_HEADS == 4
+        assert cfg["hidden_size"] // cfg["num_attention_heads"] == hookstep.HEAD_SIZE == 64
     assert MODELS["small"]["num_hidden_layers"] == 8 and MODELS["tiny"]["num_hidden_layers"] == 2
 
 
