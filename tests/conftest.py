@@ -46,3 +46,20 @@ def kvtrace_cli():
 
 def have(cmd: str) -> bool:
     return shutil.which(cmd) is not None
+
+
+@pytest.fixture(scope="session")
+def built_dist(tmp_path_factory):
+    """(wheel, sdist) built once per session from a clean copy of the tree (tests/packaging.py)."""
+    from tests.packaging import build_dist
+
+    return build_dist(tmp_path_factory.mktemp("built_dist"))
+
+
+@pytest.fixture(scope="session")
+def wheel_venv(built_dist, tmp_path_factory):
+    """A fresh venv (Debian's Python, --system-site-packages for bcc) with the built wheel
+    installed, not editable, its dependencies from the index: the venv's directory."""
+    from tests.packaging import install_wheel
+
+    return install_wheel(built_dist[0], tmp_path_factory.mktemp("wheel_venv") / "venv")

@@ -19,6 +19,14 @@ def kv_label(info) -> str:
     return out
 
 
+def where(info) -> str:
+    """' [container]' / ' [netns net:[…]]' when the server lives apart from kvtrace."""
+    tags = ["container"] if info.in_container else []
+    if info.netns:
+        tags.append(f"own network {info.netns_id}")
+    return f" [{', '.join(tags)}]" if tags else ""
+
+
 def _console(stderr: bool):
     from rich.console import Console
 
@@ -42,7 +50,7 @@ def render(servers, console=None) -> None:
             " ".join(map(str, s.engine_pids)) or "-", " ".join(map(str, s.worker_pids)) or "-",
             s.python_version or "?", s.vllm_version or "?",
             {"installed": "yes", "absent": "no"}.get(s.plugin, s.plugin), kv_label(s),
-            (os.path.basename((s.model or "?").rstrip("/")) or s.model) + (" [container]" if s.in_container else ""),
+            (os.path.basename((s.model or "?").rstrip("/")) or s.model) + where(s),
         )
     console.print(t)
 

@@ -31,6 +31,7 @@ class Check:
 @dataclass
 class Report:
     checks: list[Check] = field(default_factory=list)
+    missing_capabilities: list[dict] = field(default_factory=list)
 
     @property
     def capture_available(self) -> bool:
@@ -41,6 +42,7 @@ class Report:
             "capture_available": self.capture_available,
             "kernel": platform.release(),
             "checks": [c.__dict__ for c in self.checks],
+            "missing_capabilities": self.missing_capabilities,
         }
 
 
@@ -80,17 +82,31 @@ def _headers() -> Check:
     return Check("kernel headers", MISSING, f"no {build}; install linux-headers-amd64 and run scripts/setup-host (links the nearest tree)", "bcc compiles against them", True)
 
 
+def _cost(cap: privileges.Capability, caps: int) -> str:
+    """What this missing capability costs here (nothing for capture while CAP_SYS_ADMIN stands in)."""
+    if cap.name in privileges.CAPTURE and privileges.capture_possible(caps):
+        return "none while CAP_SYS_ADMIN is held (the kernel accepts it in its place)"
+    return cap.cost
+
+
+def missing_capabilities(caps: int | None = None) -> list[dict]:
+    """Each capability of kvtrace's table this process lacks: name, number, what it costs."""
+    caps = privileges.effective_caps() if caps is None else caps
+    return [{"name": c.name, "number": c.number, "cost": _cost(c, caps)} for c in privileges.missing(caps)]
+
+
+def _capability(cap: privileges.Capability, caps: int) -> Check:
+    have = privileges.has_cap(cap.number, caps)
+    detail = f"CapEff bit {cap.number}" + ("" if have else " not set: " + _cost(cap, caps).split(";")[0])
+    required = cap.name in privileges.CAPTURE and not privileges.capture_possible(caps)
+    return Check(cap.name, OK if have else MISSING, detail, cap.enables, required)
+
+
 def _privileges() -> list[Check]:
     caps = privileges.effective_caps()
     root = os.geteuid() == 0
-    out = [Check("root", OK if root else MISSING, f"euid={os.geteuid()}", "tracefs and bcc's compiler need it", True)]
-    for name, cap in (("CAP_BPF", privileges.CAP_BPF), ("CAP_PERFMON", privileges.CAP_PERFMON), ("CAP_SYS_ADMIN", privileges.CAP_SYS_ADMIN)):
-        have = privileges.has_cap(cap, caps)
-        out.append(Check(name, OK if have else MISSING, f"CapEff=0x{caps:x}", "load BPF programs / attach tracepoints", False))
-    out.append(Check("CAP_SYS_PTRACE", OK if privileges.has_cap(privileges.CAP_SYS_PTRACE, caps) else MISSING, "", "inject the hook into a running vLLM", False))
-    if not any(privileges.has_cap(c, caps) for c in (privileges.CAP_BPF, privileges.CAP_SYS_ADMIN)):
-        out[1].required = True
-    return out
+    out = [Check("root", OK if root else MISSING, f"euid={os.geteuid()}, CapEff=0x{caps:x}", "tracefs and bcc's compiler need it", True)]
+    return out + [_capability(c, caps) for c in privileges.CAPABILITIES]
 
 
 def _kernel_features() -> list[Check]:
@@ -100,7 +116,7 @@ def _kernel_features() -> list[Check]:
         Check("BTF", OK if Path("/sys/kernel/btf/vmlinux").exists() else MISSING, "/sys/kernel/btf/vmlinux", "struct offsets for raw tracepoints (optional)", False),
     ]
     uprobes = bool(base) and (base / "uprobe_events").exists()
-    out.append(Check("uprobes", OK if uprobes else MISSING, "uprobe_events" if uprobes else "CONFIG_UPROBE_EVENTS off", "user probes in vLLM (the hook's marker)", False))
+    out.append(Check("uprobes", OK if uprobes else MISSING, "uprobe_events" if uprobes else "CONFIG_UPROBE_EVENTS off", "--uprobe ucx|cufile|nixl (opt-in)", False))
     kprobes = bool(base) and (base / "kprobe_events").exists()
     out.append(Check("kprobes", OK if kprobes else ABSENT_FINE, "present (unused)" if kprobes else "absent: kvtrace uses tracepoints only", "not needed", False))
     for name, tps, use in FAMILIES:
@@ -150,7 +166,7 @@ def _fabric(root: str = "/") -> list[Check]:
 
 
 def run_all() -> Report:
-    report = Report()
+    report = Report(missing_capabilities=missing_capabilities())
     report.checks.extend(_privileges())
     report.checks.extend(_kernel_features())
     report.checks.append(_headers())

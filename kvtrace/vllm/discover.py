@@ -13,6 +13,7 @@ Everything is best effort: a field that cannot be read is None, never an excepti
 from __future__ import annotations
 
 import configparser
+import ipaddress
 import json
 import os
 import re
@@ -22,6 +23,7 @@ from pathlib import Path
 import psutil
 
 from kvtrace import phases
+from kvtrace.host import netns
 
 PLUGIN_GROUP = "vllm.general_plugins"
 PLUGIN_NAME = "kvtrace"
@@ -62,6 +64,8 @@ class VllmServerInfo:
     kv_events: KvEventsInfo | None
     in_container: bool
     cmdline: list[str]
+    netns: str | None = None  # /proc/PID/ns/net when the server is in another network namespace
+    netns_id: str | None = None  # net:[inode] of the server's network namespace
 
     @property
     def pids(self) -> list[int]:
@@ -224,28 +228,65 @@ def _model(cmdline: list[str], kind: str) -> str | None:
     return None
 
 
+def _hex_addr(text: str) -> tuple[str, int]:
+    """An address of /proc/net/tcp{,6} (little-endian hex words) as (ip, port)."""
+    host, port = text.split(":")
+    raw = bytes.fromhex(host)
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    ip = ipaddress.ip_address(words)
+    mapped = getattr(ip, "ipv4_mapped", None)   # ::ffff:a.b.c.d listens for IPv4: say a.b.c.d
+    return str(mapped or ip), int(port, 16)
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return set()
+    out = set()
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            out.add(link[8:-1])
+    return out
+
+
+def listening(pid: int) -> list[tuple[str, int]]:
+    """TCP sockets this process listens on, read in its own network namespace (/proc/PID/net)."""
+    inodes = _socket_inodes(pid)
+    out = []
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as f:
+                lines = f.readlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if len(cols) > 9 and cols[3] == "0A" and cols[9] in inodes:   # 0A: TCP_LISTEN
+                out.append(_hex_addr(cols[1]))
+    return out
+
+
 def _port(proc: psutil.Process, cmdline: list[str], excluded: set[int]) -> tuple[str | None, int | None]:
     host = _arg(cmdline, "--host")
     arg = _arg(cmdline, "--port")
-    listening: list[tuple[str, int]] = []
-    try:
-        for c in proc.net_connections(kind="tcp"):
-            if c.status == psutil.CONN_LISTEN and c.laddr:
-                listening.append((c.laddr.ip, c.laddr.port))
-    except (psutil.Error, OSError):
-        pass
+    listens = listening(proc.pid)
     if arg is not None:
         try:
             return host, int(arg)
         except ValueError:
             pass
-    ports = [(h, p) for h, p in listening if p not in excluded]
+    ports = [(h, p) for h, p in listens if p not in excluded]
     for h, p in ports:
         if p == DEFAULT_PORT:
             return host or h, p
     if ports:
         return host or ports[0][0], ports[0][1]
-    return host, DEFAULT_PORT if not listening else None
+    return host, DEFAULT_PORT if not listens else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -509,7 +550,7 @@ def describe(proc: psutil.Process) -> VllmServerInfo | None:
         pid=proc.pid, api_pids=api, engine_pids=engines, worker_pids=workers, other_pids=others,
         host=host, port=port, model=_model(cmdline, kind), python_exe=exe, python_version=pyver,
         vllm_version=vver, site_packages=site, plugin=plugin, kv_events=kv, in_container=fs.container,
-        cmdline=cmdline,
+        cmdline=cmdline, netns=netns.foreign(proc.pid), netns_id=netns.ident(proc.pid),
     )
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from kvtrace.dataset import schema
+from kvtrace.host import netns as netns_mod
 
 TABLE = "kv_events"
 MASK64 = (1 << 64) - 1
@@ -333,8 +334,9 @@ class KvEventSubscriber:
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "", bind: bool = False,
                  resume_from: int | None = None, queue_batches: int = 20000, replay_timeout: float = 2.0,
-                 rcvhwm: int = 100_000):
+                 rcvhwm: int = 100_000, netns: str | None = None):
         self.endpoint = endpoint
+        self.netns = netns  # /proc/PID/ns/net: the thread and its ZeroMQ context work inside it
         self.replay_endpoint = replay_endpoint
         self.topic = topic.encode()
         self.bind = bind and endpoint.startswith("tcp://")  # binding an ipc path would steal vLLM's socket
@@ -360,7 +362,10 @@ class KvEventSubscriber:
         """Start the thread; warnings (unreachable endpoint, bind failure) as one-line strings."""
         warnings = []
         if not self.bind:
-            why = probe(self.endpoint)
+            try:
+                why = netns_mod.call(self.netns, probe, self.endpoint, timeout=5)
+            except OSError as e:
+                why = str(e)
             if why:
                 warnings.append(f"KV events endpoint {self.endpoint} unreachable ({why}); will keep retrying")
         self._thread = threading.Thread(target=self._run, name="kvtrace-kvevents", daemon=True)
@@ -414,7 +419,14 @@ class KvEventSubscriber:
         import zmq
         from zmq.utils.monitor import recv_monitor_message
 
-        ctx = zmq.Context()
+        if self.netns:
+            try:
+                netns_mod.enter(self.netns)
+            except OSError as e:
+                self.setup_error = f"{e}; no kv_events will be recorded"
+                self._ready.set()
+                return
+        ctx = zmq.Context()   # made here, after the thread entered: its I/O threads are inside too
         sub = mon = None
         try:
             sub = ctx.socket(zmq.SUB)

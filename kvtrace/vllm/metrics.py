@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from kvtrace.dataset import schema
+from kvtrace.host import netns as netns_mod
 
 TABLE = "vllm_metrics"
 # ts_ns: CLOCK_MONOTONIC when the scrape's response was complete; labels: JSON object, keys
@@ -227,10 +228,12 @@ class MetricsScraper:
     name = TABLE
 
     def __init__(self, url: str, interval: float = 10.0, timeout: float = 5.0, prefixes=DEFAULT_PREFIXES,
-                 drop_suffixes=DEFAULT_DROP_SUFFIXES, queue_scrapes: int = 3600, max_bytes: int = 32 << 20):
+                 drop_suffixes=DEFAULT_DROP_SUFFIXES, queue_scrapes: int = 3600, max_bytes: int = 32 << 20,
+                 netns: str | None = None):
         if interval <= 0:
             raise ValueError("interval must be positive")
         self.url = url
+        self.netns = netns  # /proc/PID/ns/net: scrape from inside the server's network namespace
         self.interval = interval
         self.timeout = timeout
         self.prefixes = tuple(prefixes or ())
@@ -279,7 +282,10 @@ class MetricsScraper:
     def start(self) -> list[str]:
         """One scrape now (so an unreachable URL is reported at once), then the thread."""
         warnings = []
-        why = self.scrape_once()
+        try:
+            why = netns_mod.call(self.netns, self.scrape_once, timeout=self.timeout + 5)
+        except OSError as e:
+            why = self._failed(str(e))
         if why:
             warnings.append(f"metrics {self.url} unreachable ({why}); will keep retrying")
         self._thread = threading.Thread(target=self._run, name="kvtrace-metrics", daemon=True)
@@ -287,6 +293,12 @@ class MetricsScraper:
         return warnings
 
     def _run(self) -> None:
+        if self.netns:
+            try:
+                netns_mod.enter(self.netns)
+            except OSError as e:
+                self._failed(str(e))
+                return
         nxt = time.monotonic() + self.interval
         while not self._stop.wait(max(0.0, nxt - time.monotonic())):
             try:
@@ -303,7 +315,10 @@ class MetricsScraper:
             self._thread.join(timeout)
             self._thread = None
             if final_scrape:
-                self.scrape_once()
+                try:
+                    netns_mod.call(self.netns, self.scrape_once, timeout=self.timeout + 5)
+                except OSError as e:
+                    self._failed(str(e))
 
     close = stop
 

@@ -18,6 +18,7 @@ import urllib.request
 import psutil
 
 from kvtrace.capture import fdopen
+from kvtrace.host import netns
 
 MODES = ("exit", "follow")
 
@@ -33,9 +34,11 @@ def healthy(server, timeout: float = 2.0) -> bool:
     url = server.metrics_url
     if not url:
         return True
-    try:
+    def get() -> bool:
         with urllib.request.urlopen(url.rsplit("/", 1)[0] + "/health", timeout=timeout) as r:
             return r.status == 200
+    try:
+        return bool(netns.call(getattr(server, "netns", None), get, timeout=timeout + 5))
     except (OSError, ValueError):
         return False
 

@@ -20,6 +20,7 @@ def start_vllm_streams(server, kv_events: str | None, kv_replay: str | None, met
 
     sidecars, notes = [], []
     root = f"/proc/{server.pid}/root" if server is not None and server.in_container else None
+    ns = getattr(server, "netns", None)  # the server's own network namespace, when not kvtrace's
     endpoints: list[tuple[str, str | None, str]] = []  # (vLLM-side endpoint, replay, topic)
     if kv_events:
         endpoints.append((kv_events, kv_replay, ""))
@@ -35,7 +36,7 @@ def start_vllm_streams(server, kv_events: str | None, kv_replay: str | None, met
             echo(f"kvtrace: warning: {e}; capture continues without kv_events")
             continue
         sub = kvevents.KvEventSubscriber(address, kvevents.replay_address(replay, root=root) if replay else None,
-                                         topic=topic, bind=bind)
+                                         topic=topic, bind=bind, netns=ns)
         for w in sub.start():
             echo(f"kvtrace: warning: {w}")
         sidecars.append(sub)
@@ -46,11 +47,13 @@ def start_vllm_streams(server, kv_events: str | None, kv_replay: str | None, met
         notes.append("no kv_events (the server was started without --kv-events-config)")
     url = metrics_url or (server.metrics_url if server is not None else None)
     if url:
-        scraper = MetricsScraper(url, interval=metrics_interval)
+        scraper = MetricsScraper(url, interval=metrics_interval, netns=ns)
         for w in scraper.start():
             echo(f"kvtrace: warning: {w}")
         sidecars.append(scraper)
         notes.append(f"vllm_metrics from {url} every {metrics_interval:g}s")
+    if notes and ns:
+        notes.append(f"inside the server's network namespace {server.netns_id}")
     if notes:
         echo("kvtrace: vLLM streams: " + "; ".join(notes))
     return sidecars

@@ -93,3 +93,27 @@ def test_doctor_json_lists_every_family():
         assert f"tracepoints: {fam}" in names
     assert {"root", "CAP_BPF", "CAP_PERFMON", "BTF", "tracefs", "uprobes", "kprobes", "kernel headers", "bcc (python3-bpfcc)"} <= names
     assert p.returncode == (0 if data["capture_available"] else 1)
+
+
+def test_doctor_json_names_the_capabilities_this_process_lacks():
+    import json
+
+    from kvtrace.host import privileges
+
+    data = json.loads(run_kvtrace("doctor", "--json").stdout)
+    lacking = [c.name for c in privileges.missing()]   # the child inherits these capabilities
+    assert [m["name"] for m in data["missing_capabilities"]] == lacking
+    assert all(m["cost"] for m in data["missing_capabilities"])
+
+
+def test_missing_capabilities_from_a_capability_mask():
+    from kvtrace.host import checks, privileges
+
+    bit = {c.name: 1 << c.number for c in privileges.CAPABILITIES}
+    capture_only = checks.missing_capabilities(bit["CAP_BPF"] | bit["CAP_PERFMON"])
+    assert [m["name"] for m in capture_only] == ["CAP_SYS_PTRACE", "CAP_SYS_ADMIN", "CAP_DAC_OVERRIDE"]
+    assert capture_only[0]["cost"].startswith("no live injection into vLLM (kernel probes, KV events and /metrics still run)")
+    admin = {m["name"]: m["cost"] for m in checks.missing_capabilities(bit["CAP_SYS_ADMIN"])}
+    assert "CAP_SYS_ADMIN is held" in admin["CAP_BPF"] and admin["CAP_SYS_PTRACE"] == privileges.BY_NAME["CAP_SYS_PTRACE"].cost
+    assert privileges.capture_possible(bit["CAP_SYS_ADMIN"]) and not privileges.capture_possible(bit["CAP_BPF"])
+    assert checks.missing_capabilities(sum(bit.values())) == []

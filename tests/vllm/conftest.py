@@ -45,27 +45,51 @@ def free_port(lo: int = 8100, hi: int = 8199, avoid: tuple[int, ...] = ()) -> in
 
 @dataclass
 class KvEventSink:
-    """SUB socket bound on 127.0.0.1 (vLLM's publisher connects to a non-wildcard endpoint)."""
+    """SUB socket bound on 127.0.0.1 (vLLM's publisher connects to a non-wildcard endpoint), or,
+    with ``connect``, connected to a publisher that vLLM bound; with ``netns``
+    (/proc/PID/ns/net) the socket lives in that network namespace."""
 
     port: int
     batches: list = field(default_factory=list)  # (recv monotonic ns, seq, [ts, events, dp_rank])
+    connect: bool = False
+    netns: str | None = None
 
     def start(self) -> "KvEventSink":
         import msgspec
+
+        self._decode = msgspec.msgpack.decode
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+        assert self._ready.wait(30), "the KV-event sink did not start"
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def _open(self) -> None:
         import zmq
 
+        if self.netns:
+            from kvtrace.host import netns
+
+            netns.enter(self.netns)
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._sub.setsockopt(zmq.RCVHWM, 0)
-        self._sub.bind(f"tcp://127.0.0.1:{self.port}")
-        self._decode = msgspec.msgpack.decode
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
-        self._thread.start()
-        return self
+        address = f"tcp://127.0.0.1:{self.port}"
+        self._sub.connect(address) if self.connect else self._sub.bind(address)
 
     def _run(self) -> None:
+        try:
+            self._open()
+        except BaseException as e:   # raised again by start()
+            self._error = e
+            return
+        finally:
+            self._ready.set()
         while not self._stop.is_set():
             if not self._sub.poll(100):
                 continue
