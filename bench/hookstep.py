@@ -190,7 +190,8 @@ def main() -> int:
         # this stand-in's steps take ~0.2 ms, so at the hook's own interval it sends a frame only
         # at the end of a stream; "attached_write_each_step" sends one every step (a real
         # server's ~20 ms steps send one per few): the difference is the cost of a send
-        hook.FLUSH_EVERY_NS = 0 if name == "attached_write_each_step" else flush_every
+        # (the engine's and the worker's wrappers each read their own module's interval)
+        hook.engine.FLUSH_EVERY_NS = hook.worker.FLUSH_EVERY_NS = 0 if name == "attached_write_each_step" else flush_every
 
     flush_every = hook.FLUSH_EVERY_NS
     modes = ["none", "detached"] + (["attached", "attached_write_each_step"] if attached_possible else [])

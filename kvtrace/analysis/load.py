@@ -1,20 +1,21 @@
-"""The files of each table the analysis reads, checked one by one before any engine sees them.
+"""The files of each table the analysis reads, as kvtrace.dataset lists and checks them.
 
-A file whose footer cannot be read (truncated, corrupt) is left out and named in the gaps, so
-the rest of the dataset is still analysed; a file of another schema version stops the analysis
-with its name (mixing versions would silently change what columns mean).  Columns are given
-safe names (``start`` -> ``tok_start`` ...) so one SQL text runs on DuckDB and Spark alike.
+The dataset's one rule (kvtrace.dataset.reader, docs/schema.md): a file that cannot be read
+(truncated, corrupt) is left out, said on stderr and named in the gaps, so the rest of the
+dataset is still analysed; a file without or of another schema version stops the analysis with
+its name (mixing versions would silently change what columns mean).  The engines (DuckDB's
+read_parquet, Spark) read the files by path for their SQL, but only the files listed here.
+Columns are given safe names (``start`` -> ``tok_start`` ...) so one SQL text runs on DuckDB
+and Spark alike.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from kvtrace.dataset import schema
+from kvtrace.dataset.reader import Dataset
 from kvtrace.errors import DatasetError
 
 # Column kinds: I integer (read as BIGINT), F double, S text, H 64-bit hash (kept unsigned),
@@ -80,81 +81,56 @@ class Inputs:
     present: dict[str, set[str]] = field(default_factory=dict)       # columns found per table
     gaps: list[str] = field(default_factory=list)                    # what is missing and why
     rows: dict[str, int] = field(default_factory=dict)
+    ds: Dataset | None = None                                        # the reader that listed them
 
     def has(self, table: str) -> bool:
         return bool(self.files.get(table))
 
 
-def _tables_in(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
-
-
-def _parquet_files(d: Path) -> list[Path]:
-    return sorted(p for p in d.rglob("*.parquet") if not p.name.startswith((".", "_")))
-
-
 def scan(root) -> Inputs:
-    """Check every file of the tables the analysis uses; raise DatasetError when nothing usable is left."""
-    root = Path(root)
-    if not root.exists():
-        raise DatasetError(f"no dataset at {root}: give the --out directory of a kvtrace attach")
-    if not root.is_dir():
-        raise DatasetError(f"{root} is not a directory: give the --out directory of a kvtrace attach")
-    inp = Inputs(root)
-    names = _tables_in(root)
-    all_files = {n: _parquet_files(root / n) for n in names}
-    if not any(all_files.values()):
-        raise DatasetError(f"{root} is an empty dataset: no Parquet files under it (expected e.g. {root}/step/host=*/date=*/*.parquet)")
-    versions: dict[int, Path] = {}
-    for name in names:
-        for path in all_files[name]:
-            try:
-                md = pq.ParquetFile(path).schema_arrow
-            except Exception as e:
-                why = "truncated or corrupt (no readable Parquet footer)" if "footer" in str(e).lower() or "magic" in str(e).lower() \
-                    or "size" in str(e).lower() else f"unreadable ({type(e).__name__}: {e})"
-                inp.gaps.append(f"{path}: {why}; its rows of {name} are left out")
-                continue
-            meta = {}
-            try:
-                meta = json.loads((md.metadata or {}).get(schema.META_KEY, b"{}"))
-            except ValueError:
-                pass
-            v = meta.get("schema_version")
-            if v is not None:
-                versions.setdefault(v, path)
-                if v != schema.SCHEMA_VERSION:
-                    others = ", ".join(f"{k} ({p})" for k, p in sorted(versions.items()) if k != v)
-                    raise DatasetError(f"{path} has schema version {v}; this kvtrace reads version {schema.SCHEMA_VERSION}"
-                                       + (f" (the dataset mixes versions: also {others})" if others else ""))
-            if name not in COLUMNS:
-                continue
-            inp.files.setdefault(name, []).append(path)
-            inp.present.setdefault(name, set()).update(md.names)
-    for name, cols in COLUMNS.items():
-        if not inp.has(name):
-            continue
-        have = inp.present[name]
-        key = [c for c, _, _ in cols if c in ("request", "step", "t_ns", "ts_ns", "t_start_ns")]
-        missing = [c for c in key if c not in have]
-        if missing:
-            inp.gaps.append(f"table {name} has no column {', '.join(missing)} ({inp.files[name][0]}); it is left out")
-            inp.files.pop(name)
-    hook = [t for t in HOOK_TABLES if inp.has(t)]
-    if not all(inp.has(t) for t in REQUIRED):
-        lacking = [t for t in REQUIRED if not inp.has(t)]
-        kernel = [t for t in names if t not in HOOK_TABLES and t != "runs" and all_files.get(t)]
-        what = f"only kernel tables ({', '.join(kernel)})" if kernel and not hook else f"tables {', '.join(hook) or 'none'}"
-        unreadable = [g.split(";")[0] for g in inp.gaps if any(f"/{t}/" in g for t in lacking)]
-        if unreadable:
-            raise DatasetError(f"no readable {', '.join(lacking)} table left in {root}: {'; '.join(unreadable)}")
-        raise DatasetError(
-            f"{root} has no vLLM hook records in table {', '.join(lacking)} ({what}): "
-            "KV reuse, chunk timing and service figures need the kvtrace hook inside vLLM (kvtrace attach to a vLLM server)")
+    """The files of the tables the analysis uses, from kvtrace.dataset (which lists them, checks
+    their versions and leaves out unreadable ones); raise DatasetError when nothing usable is left."""
+    ds = Dataset.open(root, defer=True)
+    inp = Inputs(Path(root), gaps=list(ds.problems), ds=ds)
+    for name in COLUMNS:
+        if ds.files(name):
+            inp.files[name] = ds.files(name)
+            inp.present[name] = ds.columns(name)
+    _drop_keyless(inp)
+    _require(inp, ds)
+    ds.go_on()
     for t in ("arrive", "prompt_blocks", "kv_load", "evict"):
         if not inp.has(t):
             inp.gaps.append(GAP_TEXT[t])
     return inp
+
+
+def _drop_keyless(inp: Inputs) -> None:
+    """Leave out a table without the columns its rows are keyed on."""
+    for name, cols in COLUMNS.items():
+        if not inp.has(name):
+            continue
+        key = [c for c, _, _ in cols if c in ("request", "step", "t_ns", "ts_ns", "t_start_ns")]
+        missing = [c for c in key if c not in inp.present[name]]
+        if missing:
+            inp.gaps.append(f"table {name} has no column {', '.join(missing)} ({inp.files[name][0]}); it is left out")
+            inp.files.pop(name)
+
+
+def _require(inp: Inputs, ds: Dataset) -> None:
+    """DatasetError unless the hook tables the analysis cannot do without are there."""
+    lacking = [t for t in REQUIRED if not inp.has(t)]
+    if not lacking:
+        return
+    unreadable = [f"{s.path}: {s.why}" for s in ds.skipped if s.table in lacking]
+    if unreadable:
+        raise DatasetError(f"no readable {', '.join(lacking)} table left in {inp.root}: {'; '.join(unreadable)}")
+    hook = [t for t in HOOK_TABLES if inp.has(t)]
+    kernel = [t for t in ds.names() if t not in HOOK_TABLES]
+    what = f"only kernel tables ({', '.join(kernel)})" if kernel and not hook else f"tables {', '.join(hook) or 'none'}"
+    raise DatasetError(
+        f"{inp.root} has no vLLM hook records in table {', '.join(lacking)} ({what}): "
+        "KV reuse, chunk timing and service figures need the kvtrace hook inside vLLM (kvtrace attach to a vLLM server)")
 
 
 GAP_TEXT = {
@@ -166,13 +142,10 @@ GAP_TEXT = {
 
 
 def read_table(inp: Inputs, name: str) -> pa.Table:
-    """One table through pyarrow (for whatif and for locating a file an engine could not read)."""
-    parts = []
-    for path in inp.files.get(name, []):
-        parts.append(pq.read_table(path).replace_schema_metadata(None))
-    if not parts:
+    """One table through kvtrace.dataset (for whatif); a file whose pages cannot be read is left out and said."""
+    if not inp.files.get(name):
         return pa.table({})
-    return pa.concat_tables(parts, promote_options="default")
+    return inp.ds.table(name, paths=inp.files[name], partitions=False)
 
 
 def find_unreadable(inp: Inputs) -> list[tuple[str, Path, str]]:
@@ -180,8 +153,6 @@ def find_unreadable(inp: Inputs) -> list[tuple[str, Path, str]]:
     bad = []
     for name, paths in inp.files.items():
         for path in paths:
-            try:
-                pq.read_table(path)
-            except Exception as e:
-                bad.append((name, path, f"{type(e).__name__}: {str(e)[:160]}"))
+            if inp.ds.read(path, partitions=False) is None:
+                bad.append((name, path, inp.ds.why(path)))
     return bad

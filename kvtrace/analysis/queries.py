@@ -29,6 +29,11 @@ LAZY = {"fread"}
 
 def views(default_block_size: int = 0) -> list[tuple[str, str]]:
     """(name, SELECT) in creation order."""
+    return [*_record_views(), *_block_size_views(default_block_size), *_timing_views(), *_reuse_views()]
+
+
+def _record_views() -> list[tuple[str, str]]:
+    """The storage file reads, and each hook table's records once."""
     return [
         # file reads on storage, by directory (first: the figures of the kernel tables need
         # nothing else, so an engine with workers starts them while the rest is made)
@@ -52,12 +57,23 @@ def views(default_block_size: int = 0) -> list[tuple[str, str]]:
                    FROM step s) t WHERE rn = 1"""),
         ("arr", "SELECT run, pid, request, MIN(t_ns) AS t_ns FROM arrive WHERE t_ns > 0 GROUP BY run, pid, request"),
         ("pre", "SELECT run, pid, request, attempt, MIN(t_ns) AS t_ns FROM preempt GROUP BY run, pid, request, attempt"),
+    ]
+
+
+def _block_size_views(default_block_size: int) -> list[tuple[str, str]]:
+    return [
         # tokens per block, per engine: from the prompt records, else hit tokens / hit blocks, else --block-size
         ("bsz", f"""SELECT s.run, s.pid, COALESCE(MAX(u.b), {int(default_block_size)}) AS bs
                    FROM (SELECT DISTINCT run, pid FROM stp) s LEFT JOIN (
                      SELECT run, pid, block_size AS b FROM prompt_blocks WHERE block_size > 0
                      UNION ALL SELECT run, pid, CAST(cached_local / hit_blocks AS BIGINT) AS b FROM adm WHERE hit_blocks > 0
                    ) u ON u.run = s.run AND u.pid = s.pid GROUP BY s.run, s.pid"""),
+    ]
+
+
+def _timing_views() -> list[tuple[str, str]]:
+    """Storage wait per step and the time of each chunk."""
+    return [
         # storage wait per step: the union of KV-load intervals inside the step's execute window
         # (steps and loads meet in 10 s time buckets: an equi-join instead of a range join; loads
         # longer than a bucket take the range join)
@@ -105,6 +121,12 @@ def views(default_block_size: int = 0) -> list[tuple[str, str]]:
                             WHEN attempt > 0 THEN 'recompute'
                             ELSE 'compute' END AS verdict
                      FROM t"""),
+    ]
+
+
+def _reuse_views() -> list[tuple[str, str]]:
+    """Evictions against later references, in-flight sharing, and per-request loads."""
+    return [
         # each eviction paired with the next admission whose prompt needs that block again
         ("reref", """WITH refs AS (
                        SELECT a.run, a.pid, a.request, a.attempt, a.step, pb.idx, pb.hash, a.cached_local,

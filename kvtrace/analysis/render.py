@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import html
 import json
+from dataclasses import dataclass
 
+from rich.cells import cell_len
 from rich.console import Console
+from rich.markup import escape
+from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
 
 COLORS = {"compute": "#4e79a7", "recompute": "#9c755f", "storage": "#e15759", "queueing": "#f28e2b",
           "sched": "#edc948", "lost": "#e15759", "reloaded": "#59a14f", "restored": "#76b7b2", "hit": "#59a14f",
@@ -28,123 +33,301 @@ def num(x) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Terminal
+# Terminal: every table fits the console's width.  What gives way first: text columns wrap at
+# spaces (paths and endpoints fold), then request ids shrink to a unique suffix (a legend at the
+# end maps each back to its full id), then the least important columns are left out (named
+# under the table).  ``wide`` shows every column and full id, however wide the lines get.
+
+WIDE = 10_000  # the console width of --wide: nothing is wrapped or cropped
+TAIL = 8       # characters of a shortened request id at least (vLLM's random suffix)
+KEEP = 12      # ids this short are shown whole
 
 
-def terminal(rep: dict, console: Console | None = None, rows: int = 10) -> None:
-    c = console or Console()
-    c.print(f"[bold]kvtrace analysis[/] of {rep['dataset']} ({rep['engine']}, {rep['elapsed_s']} s)")
-    for line in rep["headline"]:
-        c.print(f"  • {line}")
-    r = rep["reuse"]
-    t = Table(title="KV reuse (token-weighted, counted at first admission only)")
-    for col in ("requests", "prompt tokens", "hit tokens", "hit rate", "local", "storage", "not counted as hits"):
-        t.add_column(col, justify="right")
-    nc = r["not_counted"]
-    t.add_row(num(r["requests"]), num(r["prompt_tokens"]), num(r["hit_tokens"]), pct(r["hit_rate"]), pct(r["local_rate"]),
-              pct(r["external_rate"]),
-              f"{nc['readmission_reused_tokens']:,} reused at {nc['readmissions']} re-admissions, "
-              f"{nc['later_chunk_tokens']:,} in {nc['later_chunks']} later chunks")
-    c.print(t)
-    t = Table(title="Hit rate by chunk index (first admissions)")
-    for col in ("chunk index", "chunks", "computed", "hit credited", "hit share"):
-        t.add_column(col, justify="right")
-    for x in r["by_chunk_index"][:rows]:
-        t.add_row(str(x["chunk_index"]), num(x["chunks"]), num(x["computed"]), num(x["hit"]), pct(x["hit_share"]))
-    c.print(t)
+@dataclass
+class Col:
+    """A column: ``prio`` 0 is never left out, higher numbers go first (the rightmost of a tie
+    first); ``wrap`` "" never wraps, "word" wraps at spaces, "fold" anywhere (paths)."""
+    header: str
+    prio: int = 0
+    justify: str = "right"
+    wrap: str = ""
+    ids: bool = False  # request ids: shortened to a unique suffix when the full ones do not fit
+
+
+def short_ids(ids, universe, tail: int = TAIL, keep: int = KEEP) -> dict[str, str]:
+    """Full id -> short form: the id itself when it has at most ``keep`` characters, else '…' and
+    its shortest suffix of at least ``tail`` characters found in no other id of ``universe`` (as
+    a substring, so grepping for it finds this id alone)."""
+    hay = "\n".join(sorted(set(universe) | set(ids)))
+    out = {}
+    for rid in ids:
+        out[rid] = rid
+        if len(rid) > keep:
+            for n in range(tail, len(rid) - 1):
+                if hay.count(rid[-n:]) == 1:
+                    out[rid] = "…" + rid[-n:]
+                    break
+    return out
+
+
+def _words(s: str) -> int:
+    return max((cell_len(w) for w in s.split()), default=0)
+
+
+def _min(col: Col, cells: list[str]) -> int:
+    head = _words(col.header)
+    if col.wrap == "word":
+        return max([head] + [_words(s) for s in cells])
+    if col.wrap == "fold":  # words wrap, and only words over 16 cells fold
+        return max([head] + [min(_words(s), 16) for s in cells])
+    return max([head] + [cell_len(s) for s in cells])
+
+
+def fit(cols: list[Col], rows: list[list[str]], width: int, short=None):
+    """(kept column indexes, their widths, whether ids are short) for a boxed table of ``width``
+    columns at most: wrap first, then short ids (``short`` maps them), then leave columns out."""
+    short = short or {}
+    for use_short, drop in ((False, False), (True, True)):
+        data = [[short.get(r[j], r[j]) if use_short and c.ids else r[j] for r in rows] for j, c in enumerate(cols)]
+        keep = list(range(len(cols)))
+        while True:
+            mins = [_min(cols[j], data[j]) for j in keep]
+            room = width - 3 * len(keep) - 1 - sum(mins)
+            if room >= 0:
+                maxs = [max([cell_len(cols[j].header)] + [cell_len(s) for s in data[j]]) for j in keep]
+                return keep, _grow(mins, maxs, [cols[j].prio for j in keep], room), use_short
+            out = [j for j in keep if cols[j].prio > 0]
+            if not drop or not out:
+                break
+            keep.remove(max(out, key=lambda j: (cols[j].prio, j)))
+    return keep, mins, True
+
+
+def _grow(mins: list[int], maxs: list[int], prios: list[int], room: int) -> list[int]:
+    """Spread ``room`` over the columns still below their natural width: the most important
+    first, one cell at a time round the columns of one priority."""
+    w = list(mins)
+    for p in sorted(set(prios)):
+        group = [i for i in range(len(w)) if prios[i] == p]
+        while room and any(w[i] < maxs[i] for i in group):
+            for i in group:
+                if room and w[i] < maxs[i]:
+                    w[i] += 1
+                    room -= 1
+    return w
+
+
+class Term:
+    """Tables and text fitted to one console: its width, and the request ids shown short so far
+    (``universe``: every id they must stay unique among).  ``hint`` says, under a table that left
+    columns out, where to see them."""
+
+    def __init__(self, console: Console, wide: bool = False, universe=(), hint: str = "--wide shows them"):
+        self.c, self.wide, self.universe, self.hint = console, wide, set(universe), hint
+        self.legend: dict[str, str] = {}  # short -> full, in the order first shown
+
+    def table(self, title: str, cols: list[Col], rows: list[list[str]], **kw) -> None:
+        """Print ``rows`` (strings) under ``cols``, fitted to the width unless wide."""
+        keep, widths, short = list(range(len(cols))), None, {}
+        if not self.wide:
+            ids = {r[j] for r in rows for j, c in enumerate(cols) if c.ids and r[j]}
+            short = short_ids(ids, self.universe) if ids else {}
+            keep, widths, use_short = fit(cols, rows, self.c.width, short)
+            short = short if use_short else {}
+        tight = widths is not None and sum(widths) + 3 * len(widths) + 1 > self.c.width
+        t = Table(title=title, min_width=min(Text.from_markup(title).cell_len, self.c.width), **kw)
+        for k, j in enumerate(keep):
+            c = cols[j]
+            t.add_column(escape(c.header), justify=c.justify, width=None if widths is None else widths[k],
+                         overflow="fold" if c.wrap == "fold" or tight else "ellipsis", no_wrap=self.wide)
+        for r in rows:
+            t.add_row(*(escape(self._id(r[j], short) if cols[j].ids else r[j]) for j in keep))
+        self.c.print(t)
+        if len(keep) < len(cols):
+            left = ", ".join(cols[j].header for j in range(len(cols)) if j not in keep)
+            note = Text(f"(left out at {self.c.width} columns: {left}; {self.hint})", style="dim")
+            self.c.print(Padding(note, (0, 0, 0, 2), expand=False))
+
+    def _id(self, rid: str, short: dict[str, str]) -> str:
+        s = short.get(rid, rid)
+        if s != rid:
+            self.legend.setdefault(s, rid)
+        return s
+
+    def lines(self, mark: str, items, style: str = "") -> None:
+        """Items after a mark, wrapped with a hanging indent."""
+        items = list(items)
+        if not items:
+            return
+        g = Table.grid(padding=(0, 1))
+        g.add_column(no_wrap=True, style=style)
+        g.add_column(overflow="fold")
+        for x in items:
+            g.add_row(escape(mark), escape(str(x)))
+        self.c.print(Padding(g, (0, 0, 0, 2), expand=False))
+
+    def prose(self, label: str, text: str) -> None:
+        """'label: text', the text wrapped under itself."""
+        g = Table.grid(padding=(0, 1))
+        g.add_column(no_wrap=True)
+        g.add_column(overflow="fold")
+        g.add_row(escape(label + ":"), escape(text))
+        self.c.print(g)
+
+    def print_legend(self) -> None:
+        if not self.legend:
+            return
+        self.c.print("request ids shown by their unique last characters:")
+        g = Table.grid(padding=(0, 2))
+        g.add_column(no_wrap=True)
+        g.add_column(overflow="fold")
+        for s, full in self.legend.items():
+            g.add_row(escape(s), escape(full))
+        self.c.print(Padding(g, (0, 0, 0, 2), expand=False))
+
+
+def request_ids(rep: dict) -> set[str]:
+    """Every request id the report names (all of them are in its --json)."""
+    out = {x["request"] for x in rep["reuse"]["per_request"]} | {x["request"] for x in rep["timing"]["per_chunk"]}
+    out |= {x["request"] for x in rep["storage"].get("slow_chunks", [])}
+    return {x for x in out if x}
+
+
+def terminal(rep: dict, console: Console | None = None, rows: int = 10, wide: bool = False) -> None:
+    """The report as rich tables, fitted to the console's width.  ``wide``: every column and full
+    id, nothing wrapped, on a console of WIDE columns unless ``console`` is given (then as wide
+    as that)."""
+    c = console or (Console(width=WIDE) if wide else Console())
+    t = Term(c, wide, request_ids(rep))
+    _header(t, rep)
+    _reuse(t, rep, rows)
+    _chunking(t, rep)
+    _timing(t, rep)
+    _slowest(t, rep, rows)
+    _storage(t, rep, rows)
+    _slow_chunk_fabric(t, rep)
+    _tail(t, rep)
+    t.print_legend()
+
+
+def _header(t: Term, rep: dict) -> None:
+    t.c.print(f"[bold]kvtrace analysis[/] of {escape(str(rep['dataset']))} ({rep['engine']}, {rep['elapsed_s']} s)")
+    t.lines("•", rep["headline"])
+
+
+def _reuse(t: Term, rep: dict, rows: int) -> None:
+    r, nc = rep["reuse"], rep["reuse"]["not_counted"]
+    cols = [Col("requests", 1), Col("prompt tokens", 1), Col("hit tokens", 1), Col("hit rate"), Col("local", 2),
+            Col("storage", 2)]
+    t.table("KV reuse (token-weighted, counted at first admission only)", cols,
+            [[num(r["requests"]), num(r["prompt_tokens"]), num(r["hit_tokens"]), pct(r["hit_rate"]), pct(r["local_rate"]),
+              pct(r["external_rate"])]])
+    t.prose("  not counted as hits", f"{nc['readmission_reused_tokens']:,} tokens reused at {nc['readmissions']} "
+            f"re-admissions, {nc['later_chunk_tokens']:,} in {nc['later_chunks']} later chunks")
+    cols = [Col("chunk index"), Col("chunks", 1), Col("computed", 1), Col("hit credited", 1), Col("hit share")]
+    t.table("Hit rate by chunk index (first admissions)", cols,
+            [[str(x["chunk_index"]), num(x["chunks"]), num(x["computed"]), num(x["hit"]), pct(x["hit_share"])]
+             for x in r["by_chunk_index"][:rows]])
+
+
+def _chunking(t: Term, rep: dict) -> None:
     ch = rep["chunking"]
     pb, inf, ev = ch["partial_blocks"], ch["inflight"], ch["evictions"]
-    t = Table(title=f"Chunking versus blocks (block size {rep['block_size']})")
-    t.add_column("figure")
-    t.add_column("value", justify="right")
-    t.add_row("non-final chunks ending mid-block", f"{pb['mid_block_ends']:,} of {pb['chunks_not_last']:,}")
-    t.add_row("tokens in partial blocks at chunk ends", num(pb["partial_tokens"]))
-    t.add_row("prompt tail tokens (never cached)", num(ch["prompt_tails"]["tail_tokens"]))
-    t.add_row("tokens missed: prefix still being computed by an in-flight request",
-              f"{inf['missed_tokens']:,} ({inf['requests']} requests, {pct(inf['missed_rate'])} of prompt tokens)")
-    t.add_row("evictions / evicted blocks needed again", f"{ev['evictions']:,} / {ev['rereferenced']:,}")
-    for k, v in sorted(ev["outcomes"].items()):
-        t.add_row(f"  re-referenced and {k}", f"{v['blocks']:,} blocks ({v['tokens']:,} tokens)")
     d = ev["distance"]
-    t.add_row("eviction → re-reference p50 / p90 / p99 (ms)", f"{ms(d['dt_p50'])} / {ms(d['dt_p90'])} / {ms(d['dt_p99'])}")
-    c.print(t)
+    rows = [["non-final chunks ending mid-block", f"{pb['mid_block_ends']:,} of {pb['chunks_not_last']:,}"],
+            ["tokens in partial blocks at chunk ends", num(pb["partial_tokens"])],
+            ["prompt tail tokens (never cached)", num(ch["prompt_tails"]["tail_tokens"])],
+            ["tokens missed: prefix still being computed by an in-flight request",
+             f"{inf['missed_tokens']:,} ({inf['requests']} requests, {pct(inf['missed_rate'])} of prompt tokens)"],
+            ["evictions / evicted blocks needed again", f"{ev['evictions']:,} / {ev['rereferenced']:,}"]]
+    rows += [[f"  re-referenced and {k}", f"{v['blocks']:,} blocks ({v['tokens']:,} tokens)"]
+             for k, v in sorted(ev["outcomes"].items())]
+    rows.append(["eviction → re-reference p50 / p90 / p99 (ms)", f"{ms(d['dt_p50'])} / {ms(d['dt_p90'])} / {ms(d['dt_p99'])}"])
+    t.table(f"Chunking versus blocks (block size {rep['block_size']})",
+            [Col("figure", justify="left", wrap="word"), Col("value", wrap="word")], rows)
+
+
+def _timing(t: Term, rep: dict) -> None:
     tm, v = rep["timing"], rep["verdict"]
-    t = Table(title=f"Time per chunk ({tm['chunks']:,} chunks): bottleneck [bold]{v['bottleneck']}[/]")
-    for col in ("component", "total ms", "share"):
-        t.add_column(col, justify="right" if col != "component" else "left")
-    for k in ("compute", "storage", "queueing"):
-        t.add_row(k, ms(tm["components_ns"][k]), pct(tm["shares"][k]))
-    c.print(t)
-    for e in v["evidence"]:
-        c.print(f"  evidence: {e}")
-    slow = sorted(tm["per_chunk"], key=lambda x: -x["total_ns"])[:rows]
-    if slow:
-        t = Table(title="Slowest chunks")
-        for col in ("request", "attempt", "index", "step", "tokens", "queue ms", "sched ms", "storage ms", "compute ms", "verdict"):
-            t.add_column(col, justify="right")
-        for x in slow:
-            t.add_row(x["request"][:40], str(x["attempt"]), str(x["chunk_index"]), str(x["step"]), num(x["tok_len"]),
-                      ms(x["queue_ns"]), ms(x["sched_ns"]), ms(x["storage_ns"]), ms(x["compute_ns"]), x["verdict"])
-        c.print(t)
+    t.table(f"Time per chunk ({tm['chunks']:,} chunks): bottleneck [bold]{v['bottleneck']}[/]",
+            [Col("component", justify="left"), Col("total ms"), Col("share")],
+            [[k, ms(tm["components_ns"][k]), pct(tm["shares"][k])] for k in ("compute", "storage", "queueing")])
+    t.lines("evidence:", v["evidence"])
+
+
+def _slowest(t: Term, rep: dict, rows: int) -> None:
+    slow = sorted(rep["timing"]["per_chunk"], key=lambda x: -x["total_ns"])[:rows]
+    if not slow:
+        return
+    cols = [Col("request", justify="left", ids=True), Col("attempt", 3), Col("index", 2), Col("step", 1),
+            Col("tokens", 2), Col("queue ms", 1), Col("sched ms", 4), Col("storage ms", 1), Col("compute ms", 1),
+            Col("verdict", justify="left")]
+    t.table("Slowest chunks", cols, [[x["request"], str(x["attempt"]), str(x["chunk_index"]), str(x["step"]),
+                                      num(x["tok_len"]), ms(x["queue_ns"]), ms(x["sched_ns"]), ms(x["storage_ns"]),
+                                      ms(x["compute_ns"]), x["verdict"]] for x in slow])
+
+
+def _storage(t: Term, rep: dict, rows: int) -> None:
     st = rep["storage"]
-    if st["block_io"] or st["nvme"] or st["files"] or st["kv_transfers"]:
-        t = Table(title="Storage")
-        for col in ("source", "device / queue", "op", "count", "bytes", "p50 ms", "p95 ms", "p99 ms", "MB/s", "IOPS", "QD"):
-            t.add_column(col, justify="right")
-        for x in st["block_io"]:
-            t.add_row("block", x["disk"], x["op"], num(x["ios"]), num(x["bytes"]), ms(x["lat_p50"]), ms(x["lat_p95"]),
-                      ms(x["lat_p99"]), num((x["bytes_per_s"] or 0) / 1e6), num(x["iops"]), num(x["queue_depth"]))
-        for x in st["nvme"]:
-            t.add_row(f"nvme {x['transport']}", f"{x['ctrl']} q{x['qid']}", x["opclass"], num(x["commands"]), num(x["bytes"]),
-                      ms(x["lat_p50"]), ms(x["lat_p95"]), ms(x["lat_p99"]), num((x["bytes_per_s"] or 0) / 1e6),
-                      num(x["iops"]), num(x["queue_depth"]))
-        files = sorted(st["files"], key=lambda x: -(x["bytes"] or 0))
-        for x in files[:rows]:
-            t.add_row("file", x["dir"], "read", num(x["reads"]), num(x["bytes"]), ms(x["lat_p50"]), ms(x["lat_p95"]),
-                      ms(x["lat_p99"]), num((x["bytes_per_s"] or 0) / 1e6), num(x["iops"]), num(x["queue_depth"]))
-        for x in st["kv_transfers"]:
-            t.add_row(f"kv {x['direction']}", f"{x['source']} ({x['kind']})", "", num(x["n"]), num(x["bytes"]),
-                      ms(x["lat_p50"]), ms(x["lat_p95"]), ms(x["lat_p99"]), "", "", "")
-        c.print(t)
-        if len(files) > rows:
-            c.print(f"  ({len(files) - rows} more directories of file reads in --json / --html)")
-    sc = [x for x in st.get("slow_chunks", []) if x["nvme"] or x["nic"]]
-    if sc:
-        t = Table(title="Slowest chunks: NVMe queues and NIC counters in their step")
-        for col in ("#", "request", "step", "total ms", "storage ms", "verdict", "NVMe queue", "cmds", "avg ms", "max ms",
-                    "NIC counters"):
-            t.add_column(col, justify="right")
-        for x in sc:
-            nics = ", ".join(f"{n['device']}/{n['name']} {num(n['delta'])}" for n in x["nic"][:4])
-            if len(x["nic"]) > 4:
-                nics += f" (+{len(x['nic']) - 4})"
-            qs = x["nvme"] or [None]
-            for k, q in enumerate(qs):
-                head = (str(x["rank"]), x["request"][:30], str(x["step"]), ms(x["total_ns"]), ms(x["storage_ns"]),
-                        x["verdict"]) if k == 0 else ("",) * 6
-                qcols = (f"{q['ctrl']} q{q['qid']} {q['transport']}", num(q["commands"]), ms(q["latency_avg_ns"]),
-                         ms(q["latency_max_ns"])) if q else ("-", "", "", "")
-                t.add_row(*head, *qcols, nics if k == 0 else "")
-        c.print(t)
-    rr, pf = rep["reload_vs_recompute"], rep["prefetch"]
-    c.print(f"reload vs recompute: reload {num(_us(rr['reload']['ns_per_token']))} µs/token over "
+    if not (st["block_io"] or st["nvme"] or st["files"] or st["kv_transfers"]):
+        return
+
+    def tail(x):
+        return [ms(x["lat_p50"]), ms(x["lat_p95"]), ms(x["lat_p99"]), num((x["bytes_per_s"] or 0) / 1e6), num(x["iops"]),
+                num(x["queue_depth"])]
+
+    out = [["block", x["disk"], x["op"], num(x["ios"]), num(x["bytes"]), *tail(x)] for x in st["block_io"]]
+    out += [[f"nvme {x['transport']}", f"{x['ctrl']} q{x['qid']}", x["opclass"], num(x["commands"]), num(x["bytes"]), *tail(x)]
+            for x in st["nvme"]]
+    files = sorted(st["files"], key=lambda x: -(x["bytes"] or 0))
+    out += [["file", x["dir"], "read", num(x["reads"]), num(x["bytes"]), *tail(x)] for x in files[:rows]]
+    out += [[f"kv {x['direction']}", f"{x['source']} ({x['kind']})", "", num(x["n"]), num(x["bytes"]), ms(x["lat_p50"]),
+             ms(x["lat_p95"]), ms(x["lat_p99"]), "", "", ""] for x in st["kv_transfers"]]
+    cols = [Col("source", justify="left", wrap="word"), Col("device / queue", justify="left", wrap="fold"), Col("op", 1),
+            Col("count", 1), Col("bytes", 2), Col("p50 ms", 1), Col("p95 ms", 3), Col("p99 ms", 1), Col("MB/s", 2),
+            Col("IOPS", 3), Col("QD", 4)]
+    t.table("Storage", cols, out)
+    if len(files) > rows:
+        t.c.print(f"  ({len(files) - rows} more directories of file reads in --json / --html)")
+
+
+def _slow_chunk_fabric(t: Term, rep: dict) -> None:
+    sc = [x for x in rep["storage"].get("slow_chunks", []) if x["nvme"] or x["nic"]]
+    if not sc:
+        return
+    out = []
+    for x in sc:
+        nics = ", ".join(f"{n['device']}/{n['name']} {num(n['delta'])}" for n in x["nic"][:4])
+        if len(x["nic"]) > 4:
+            nics += f" (+{len(x['nic']) - 4})"
+        for k, q in enumerate(x["nvme"] or [None]):
+            head = [str(x["rank"]), x["request"], str(x["step"]), ms(x["total_ns"]), ms(x["storage_ns"]),
+                    x["verdict"]] if k == 0 else [""] * 6
+            qcols = [f"{q['ctrl']} q{q['qid']} {q['transport']}", num(q["commands"]), ms(q["latency_avg_ns"]),
+                     ms(q["latency_max_ns"])] if q else ["-", "", "", ""]
+            out.append([*head, *qcols, nics if k == 0 else ""])
+    cols = [Col("#", 3), Col("request", justify="left", ids=True), Col("step", 1), Col("total ms", 3),
+            Col("storage ms", 1), Col("verdict", 4, justify="left"), Col("NVMe queue", justify="left"), Col("cmds", 2),
+            Col("avg ms", 1), Col("max ms", 2), Col("NIC counters", justify="left", wrap="word")]
+    t.table("Slowest chunks: NVMe queues and NIC counters in their step", cols, out)
+
+
+def _tail(t: Term, rep: dict) -> None:
+    rr, pf, s, m = rep["reload_vs_recompute"], rep["prefetch"], rep["service"], rep["metrics"]
+    t.prose("reload vs recompute", f"reload {num(_us(rr['reload']['ns_per_token']))} µs/token over "
             f"{rr['reload']['tokens']:,} tokens, recompute {num(_us(rr['recompute']['ns_per_token']))} µs/token "
             f"({rr['recompute']['basis']}); speed-up of the storage tier {_times(rr['speedup'])}")
-    c.print(f"prefetch: read {num(_us(pf['read_ns_per_block']))} µs/block; hideable read time "
+    t.prose("prefetch", f"read {num(_us(pf['read_ns_per_block']))} µs/block; hideable read time "
             f"{ms(pf['reloaded_hideable_ns'])} ms for reloaded blocks (since eviction), "
             f"{ms(pf['from_arrival']['hideable_ns'])} ms of {ms(pf['from_arrival']['load_ns'])} ms (since arrival); "
             f"lost blocks a prefetch could have loaded instead: {ms(pf['lost_prefetchable_ns'])} ms of reads")
-    s = rep["service"]
-    c.print(f"service: TTFT p50 {ms(s['ttft_p50_ns'])} ms, p99 {ms(s['ttft_p99_ns'])} ms over {s['requests']} requests; "
+    t.prose("service", f"TTFT p50 {ms(s['ttft_p50_ns'])} ms, p99 {ms(s['ttft_p99_ns'])} ms over {s['requests']} requests; "
             f"{num(s['tokens_per_s'])} tokens/s ({num(s['output_tokens_per_s'])} output); storage read "
             + ", ".join(f"{k.replace('_bytes', '')} {v:.4f} GB/s" for k, v in s["storage_read_gb_per_s"].items()))
-    m = rep["metrics"]
     if m.get("available"):
-        c.print(f"vLLM /metrics: local hit rate {pct(m['local_hit_rate'])} (kvtrace local {pct(rep['reuse']['local_rate'])})")
-        for w in m["why_different"]:
-            c.print(f"  why: {w}")
-    for g in rep["gaps"]:
-        c.print(f"[yellow]gap:[/] {g}")
+        t.prose("vLLM /metrics", f"local hit rate {pct(m['local_hit_rate'])} (kvtrace local {pct(rep['reuse']['local_rate'])})")
+        t.lines("why:", m["why_different"])
+    t.lines("gap:", rep["gaps"], style="yellow")
 
 
 def _times(x) -> str:

@@ -136,18 +136,48 @@ def analyze(directory, engine: str = "duckdb", master: str | None = None, block_
 
 
 def build(rows: dict[str, list[dict]], inp: load.Inputs) -> dict:
+    """The report from every figure's rows: one function per section, in the report's order (a
+    section may add to ``gaps``, and the later ones read the earlier ones' prompt tokens)."""
     one = {k: (v[0] if v else {}) for k, v in rows.items()}
     gaps = list(inp.gaps)
     rep: dict = {"gaps": gaps}
+    rep["block_size"] = _block_size(rows, gaps)
+    rep["reuse"] = reuse = _reuse(rows, one)
+    pt = reuse["prompt_tokens"]
+    rep["chunking"] = _chunking(rows, one, pt)
+    rep["timing"] = _timing(rows, one)
+    rep["reload_vs_recompute"] = _reload_vs_recompute(rows, one)
+    rep["prefetch"] = _prefetch(rows, one, gaps)
+    rep["storage"] = _storage(rows)
+    rep["service"] = _service(rows, one, pt, gaps)
+    rep["metrics"] = metrics_note(rows["metrics"], reuse)
+    rep["verdict"] = verdict(rep)
+    rep["headline"] = headline(rep)
+    return _normalised(rep)
 
-    # ---- block size ----
+
+def _normalised(rep: dict) -> dict:
+    """``rep`` through _norm, but for the long per-row lists: they hold integers and text from SQL
+    (ratios rounded where they are made) and are kept as they are."""
+    big = {"per_request": rep["reuse"].pop("per_request"), "per_chunk": rep["timing"].pop("per_chunk"),
+           "ttft_per_request": rep["service"].pop("ttft_per_request")}
+    rep = _norm(rep)
+    rep["reuse"]["per_request"] = big["per_request"]
+    rep["timing"]["per_chunk"] = big["per_chunk"]
+    rep["service"]["ttft_per_request"] = big["ttft_per_request"]
+    return rep
+
+
+def _block_size(rows: dict[str, list[dict]], gaps: list[str]):
     sizes = sorted({r["bs"] for r in rows["block_size"] if r["bs"]})
-    rep["block_size"] = sizes[0] if len(sizes) == 1 else (sizes or None)
     if not sizes:
         gaps.append("block size unknown (no prompt_blocks records and no local hit): give --block-size for the "
                     "partial-block, in-flight and eviction figures")
+    return sizes[0] if len(sizes) == 1 else (sizes or None)
 
-    # ---- KV reuse at first admission ----
+
+def _reuse(rows: dict[str, list[dict]], one: dict[str, dict]) -> dict:
+    """KV reuse at first admission."""
     h = one["hit_overall"]
     pt = h.get("prompt_tokens") or 0
     ra, lc = one["readmit"], one["later_chunks"]
@@ -170,16 +200,18 @@ def build(rows: dict[str, list[dict]], inp: load.Inputs) -> dict:
     reuse["by_first_chunk_size"] = [
         {"first_chunk_tokens_le": r["bucket"], "requests": r["requests"], "prompt_tokens": r["prompt_tokens"],
          "hit_tokens": r["hit"], "hit_rate": _ratio(r["hit"], r["prompt_tokens"])} for r in rows["hit_by_size"]]
-    rep["reuse"] = reuse
+    return reuse
 
-    # ---- chunking versus blocks ----
+
+def _chunking(rows: dict[str, list[dict]], one: dict[str, dict], pt: int) -> dict:
+    """Chunking versus blocks: partial blocks, prompt tails, in-flight misses and evictions."""
     pb, tails = one["partial_blocks"], one["prompt_tails"]
     infl = rows["inflight"]
     outc = {r["outcome"]: r for r in rows["reref_outcome"]}
     ev = one["evictions"].get("evictions", 0)
     dist = one["reref_dist"]
     lost = outc.get("lost", {})
-    rep["chunking"] = {
+    return {
         "partial_blocks": {"chunks_not_last": pb.get("chunks_not_last", 0), "mid_block_ends": pb.get("mid_block_ends", 0),
                            "partial_tokens": pb.get("partial_tokens", 0)},
         "prompt_tails": {"requests": tails.get("requests", 0), "with_tail": tails.get("with_tail", 0),
@@ -196,14 +228,16 @@ def build(rows: dict[str, list[dict]], inp: load.Inputs) -> dict:
         },
     }
 
-    # ---- time per chunk ----
+
+def _timing(rows: dict[str, list[dict]], one: dict[str, dict]) -> dict:
+    """Time per chunk: compute, storage and queueing, and the chunks' verdicts."""
     ct = one["chunk_time"]
     queueing = (ct.get("queue_ns") or 0) + (ct.get("sched_ns") or 0)
     comp = {"compute": ct.get("compute_ns") or 0, "storage": ct.get("storage_ns") or 0, "queueing": queueing}
     total = sum(comp.values())
     counts = {r["verdict"]: r["chunks"] for r in rows["chunk_verdicts"]}
     chunk_rows = rows["chunks"]
-    timing = {
+    return {
         "chunks": ct.get("chunks", 0), "total_ns": total,
         "components_ns": {**comp, "queue_ns": ct.get("queue_ns") or 0, "sched_ns": ct.get("sched_ns") or 0,
                           "recompute_ns": ct.get("recompute_ns") or 0},
@@ -211,9 +245,9 @@ def build(rows: dict[str, list[dict]], inp: load.Inputs) -> dict:
         "verdict_counts": counts, "chunks_waiting_on_storage": ct.get("chunks_waiting", 0),
         "per_chunk": chunk_rows[:MAX_CHUNK_ROWS], "per_chunk_truncated": len(chunk_rows) > MAX_CHUNK_ROWS,
     }
-    rep["timing"] = timing
 
-    # ---- reload versus recompute ----
+
+def _reload_vs_recompute(rows: dict[str, list[dict]], one: dict[str, dict]) -> dict:
     rl, rc = one["reload"], one["recompute"]
     if rc.get("pure_tokens"):
         rc_ns, rc_tok, basis = rc["pure_ns"], rc["pure_tokens"], f"{rc['pure_steps']} prefill-only steps"
@@ -226,7 +260,7 @@ def build(rows: dict[str, list[dict]], inp: load.Inputs) -> dict:
         tok = (r["blocks"] or 0) * (r["bs"] or 0)
         per_chunk.append({**r, "reload_ns_per_token": _ratio(r["load_ns"], tok),
                           "compute_ns_per_token": _ratio(r["compute_ns"], r["step_tokens"])})
-    rep["reload_vs_recompute"] = {
+    return {
         "reload": {"requests": rl.get("requests", 0), "loads": rl.get("loads", 0), "tokens": rl.get("tokens", 0),
                    "blocks": rl.get("blocks", 0), "bytes": rl.get("bytes", 0), "load_ns": rl.get("load_ns", 0),
                    "ns_per_token": reload_pt},
@@ -236,11 +270,15 @@ def build(rows: dict[str, list[dict]], inp: load.Inputs) -> dict:
         "per_chunk": per_chunk,
     }
 
-    # ---- prefetch opportunity ----
+
+def _prefetch(rows: dict[str, list[dict]], one: dict[str, dict], gaps: list[str]) -> dict:
+    """Prefetch opportunity: the read time of evicted blocks that were needed again."""
     pf = {r["outcome"]: r for r in rows["prefetch"]}
     pa = one["prefetch_arrival"]
     per_block = next((r["per_block_ns"] for r in pf.values() if r.get("per_block_ns")), None)
-    rep["prefetch"] = {
+    if per_block is None and rows["reref_outcome"]:
+        gaps.append("no per-request KV loads: prefetch figures give re-reference distances only, no read latency to set them against")
+    return {
         "read_ns_per_block": per_block,
         "by_outcome": {k: {"blocks": v["blocks"], "blocks_with_time": v["blocks_with_time"] if per_block else None,
                            "hideable_ns": v["hideable_ns"] if per_block else None} for k, v in pf.items()},
@@ -249,31 +287,33 @@ def build(rows: dict[str, list[dict]], inp: load.Inputs) -> dict:
         "from_arrival": {"requests": pa.get("requests", 0), "load_ns": pa.get("load_ns", 0),
                          "hideable_ns": pa.get("hideable_ns", 0)},
     }
-    if per_block is None and outc:
-        gaps.append("no per-request KV loads: prefetch figures give re-reference distances only, no read latency to set them against")
 
-    # ---- storage ----
-    def dev_rows(rs, count_key):
-        out = []
-        for r in rs:
-            span = (r["t1"] or 0) - (r["t0"] or 0)
-            out.append({**r, "window_ns": span, "iops": _rate_ps(r[count_key], span), "bytes_per_s": _rate_ps(r["bytes"] or 0, span),
-                        "queue_depth": _ratio(r["busy_ns"] or 0, span)})
-        return out
 
-    rep["storage"] = {"block_io": dev_rows(rows["block_io"], "ios"), "nvme": dev_rows(rows["nvme"], "commands"),
-                      "files": dev_rows(rows["file_reads"], "reads"), "kv_transfers": rows["kv_transfers"],
-                      "nic_during_slow_chunks": rows["nic_slow"], "latency_histogram": rows["lat_hist"]}
-    rep["storage"]["slow_chunks"] = slow_chunks(rows)
+def _dev_rows(rs: list[dict], count_key: str) -> list[dict]:
+    out = []
+    for r in rs:
+        span = (r["t1"] or 0) - (r["t0"] or 0)
+        out.append({**r, "window_ns": span, "iops": _rate_ps(r[count_key], span), "bytes_per_s": _rate_ps(r["bytes"] or 0, span),
+                    "queue_depth": _ratio(r["busy_ns"] or 0, span)})
+    return out
 
-    # ---- service ----
+
+def _storage(rows: dict[str, list[dict]]) -> dict:
+    return {"block_io": _dev_rows(rows["block_io"], "ios"), "nvme": _dev_rows(rows["nvme"], "commands"),
+            "files": _dev_rows(rows["file_reads"], "reads"), "kv_transfers": rows["kv_transfers"],
+            "nic_during_slow_chunks": rows["nic_slow"], "latency_histogram": rows["lat_hist"],
+            "slow_chunks": slow_chunks(rows)}
+
+
+def _service(rows: dict[str, list[dict]], one: dict[str, dict], pt: int, gaps: list[str]) -> dict:
+    """Service figures: TTFT, throughput, bytes read, preemptions."""
     win = rows["window"]
     window_ns = sum((r["t1"] or 0) - (r["t0"] or 0) for r in win)
     out_tokens = sum(r["decode_tokens"] or 0 for r in win) + (one["first_tokens"].get("n") or 0)
     tt = one["ttft"]
     rb = one["read_bytes"]
     read_bytes = {k: rb.get(k) or 0 for k in ("kv_load_bytes", "block_read_bytes", "file_read_bytes")}
-    rep["service"] = {
+    service = {
         "window_ns": window_ns, "steps": sum(r["steps"] for r in win),
         "requests": tt.get("requests", 0), "ttft_from_arrival": tt.get("from_arrival", 0),
         "ttft_p50_ns": tt.get("ttft_p50"), "ttft_p90_ns": tt.get("ttft_p90"), "ttft_p99_ns": tt.get("ttft_p99"),
@@ -288,18 +328,7 @@ def build(rows: dict[str, list[dict]], inp: load.Inputs) -> dict:
     if tt.get("requests") and tt.get("from_arrival", 0) < tt["requests"]:
         gaps.append(f"{tt['requests'] - tt['from_arrival']} of {tt['requests']} requests have no arrival time: "
                     "their TTFT starts at their first step")
-
-    rep["metrics"] = metrics_note(rows["metrics"], reuse)
-    rep["verdict"] = verdict(rep)
-    rep["headline"] = headline(rep)
-    # the long per-row lists hold integers and text from SQL (ratios rounded above): kept as they are
-    big = {"per_request": reuse.pop("per_request"), "per_chunk": timing.pop("per_chunk"),
-           "ttft_per_request": rep["service"].pop("ttft_per_request")}
-    rep = _norm(rep)
-    rep["reuse"]["per_request"] = big["per_request"]
-    rep["timing"]["per_chunk"] = big["per_chunk"]
-    rep["service"]["ttft_per_request"] = big["ttft_per_request"]
-    return rep
+    return service
 
 
 def slow_chunks(rows: dict[str, list[dict]]) -> list[dict]:

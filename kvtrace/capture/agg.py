@@ -249,70 +249,13 @@ class AggMaps:
         self.last_ns = now
         now_s = self.clock()
         interval_s, self.last_s = now_s - self.last_s, now_s
-        counts = Counter()
         rows = {AGG[k]: {c: [] for c in schema.TABLES[AGG[k]].names} for k in self.kinds}
         hist = {AGG[k] + "_hist": {c: [] for c in schema.TABLES[AGG[k] + "_hist"].names} for k in self.kinds}
         exited: list = []   # keys of processes that are gone, deleted once their last counts are read
         sweep = self.c["flushes"] % SWEEP_EVERY == SWEEP_EVERY - 1
-        if "agg_stats" in self.t:
-            for key, v in _items(self.t["agg_stats"]):
-                kind = int(key.kind)
-                if kind not in self.state:
-                    continue
-                ident = (kind, int(key.tgid), int(key.dev), int(key.op))
-                cur = tuple(int(getattr(v, f)) for f in SFIELDS)
-                prev = self.prev_s.get(ident, (0,) * len(SFIELDS))
-                d = dict(zip(SFIELDS, (max(0, a - b) for a, b in zip(cur, prev))))
-                self.prev_s[ident] = cur
-                if sweep and not any(d.values()) and not os.path.exists(f"/proc/{ident[1]}"):
-                    exited.append(("agg_stats", key, ident))   # idle for a flush, and its process gone
-                if not d["count"]:
-                    continue
-                r = rows[AGG[kind]]
-                self._key_cols(r, kind, ident, now, interval)
-                r["bytes"].append(d["bytes"])
-                r["errors"].append(d["errors"])
-                r["latency_sum_ns"].append(d["latency_ns"])
-                if kind == KIND_BLOCK:
-                    r["requests"].append(d["count"])
-                    r["queue_sum_ns"].append(d["sum2"])
-                    r["device_sum_ns"].append(d["sum3"])
-                elif kind == KIND_FILEIO:
-                    r["calls"].append(d["count"])
-                    r["requested"].append(d["sum2"])
-                else:
-                    r["completions"].append(d["count"])
-                self.c[f"{AGG[kind]}_events"] += d["count"]
-                counts[kind] += d["count"]
-        if "agg_hist" in self.t:
-            for key, v in _items(self.t["agg_hist"]):
-                kind = int(key.kind)
-                if kind not in self.state:
-                    continue
-                ident = (kind, int(key.tgid), int(key.dev), int(key.op), int(key.slot))
-                cur = _int(v)
-                dv = cur - self.prev_h.get(ident, 0)
-                self.prev_h[ident] = cur
-                if sweep and dv <= 0 and not os.path.exists(f"/proc/{ident[1]}"):
-                    exited.append(("agg_hist", key, ident))
-                if dv <= 0:
-                    continue
-                h = hist[AGG[kind] + "_hist"]
-                self._key_cols(h, kind, ident, now, interval)
-                slot = ident[4]
-                h["slot"].append(slot)
-                h["lo_ns"].append(1 << (slot - 1) if slot else 0)
-                h["hi_ns"].append((1 << slot) - 1 if slot else 0)
-                h["count"].append(dv)
-        for name, key, ident in exited:
-            # everything the process did is in earlier rows: its keys can go, so a long capture of
-            # many short-lived processes does not fill the maps (a reused pid starts from 0)
-            try:
-                del self.t[name][key]
-            except Exception:
-                continue
-            (self.prev_s if name == "agg_stats" else self.prev_h).pop(ident, None)
-            self.c["keys_swept"] += 1
+        counts = self._drain_stats(rows, exited, sweep, now, interval)
+        self._drain_hist(hist, exited, sweep, now, interval)
+        self._sweep(exited)
         if "agg_drops" in self.t:
             drops = self.drops = {_int(k): _int(v) for k, v in _items(self.t["agg_drops"])}
             self.c["stats_map_full"] = sum(drops.get(k, 0) for k in self.kinds)
@@ -325,6 +268,77 @@ class AggMaps:
                 sch = schema.TABLES[name]
                 out[name] = pa.table({c: pa.array(cols[c], sch.field(c).type) for c in sch.names}, schema=sch)
         return out
+
+    def _drain_stats(self, rows: dict, exited: list, sweep: bool, now: int, interval: int) -> Counter:
+        """agg_stats since the last drain, as rows of each kind's aggregate table; events per kind."""
+        counts = Counter()
+        if "agg_stats" not in self.t:
+            return counts
+        for key, v in _items(self.t["agg_stats"]):
+            kind = int(key.kind)
+            if kind not in self.state:
+                continue
+            ident = (kind, int(key.tgid), int(key.dev), int(key.op))
+            cur = tuple(int(getattr(v, f)) for f in SFIELDS)
+            prev = self.prev_s.get(ident, (0,) * len(SFIELDS))
+            d = dict(zip(SFIELDS, (max(0, a - b) for a, b in zip(cur, prev))))
+            self.prev_s[ident] = cur
+            if sweep and not any(d.values()) and not os.path.exists(f"/proc/{ident[1]}"):
+                exited.append(("agg_stats", key, ident))   # idle for a flush, and its process gone
+            if not d["count"]:
+                continue
+            r = rows[AGG[kind]]
+            self._key_cols(r, kind, ident, now, interval)
+            r["bytes"].append(d["bytes"])
+            r["errors"].append(d["errors"])
+            r["latency_sum_ns"].append(d["latency_ns"])
+            if kind == KIND_BLOCK:
+                r["requests"].append(d["count"])
+                r["queue_sum_ns"].append(d["sum2"])
+                r["device_sum_ns"].append(d["sum3"])
+            elif kind == KIND_FILEIO:
+                r["calls"].append(d["count"])
+                r["requested"].append(d["sum2"])
+            else:
+                r["completions"].append(d["count"])
+            self.c[f"{AGG[kind]}_events"] += d["count"]
+            counts[kind] += d["count"]
+        return counts
+
+    def _drain_hist(self, hist: dict, exited: list, sweep: bool, now: int, interval: int) -> None:
+        """agg_hist since the last drain, as rows of each kind's latency histogram table."""
+        if "agg_hist" not in self.t:
+            return
+        for key, v in _items(self.t["agg_hist"]):
+            kind = int(key.kind)
+            if kind not in self.state:
+                continue
+            ident = (kind, int(key.tgid), int(key.dev), int(key.op), int(key.slot))
+            cur = _int(v)
+            dv = cur - self.prev_h.get(ident, 0)
+            self.prev_h[ident] = cur
+            if sweep and dv <= 0 and not os.path.exists(f"/proc/{ident[1]}"):
+                exited.append(("agg_hist", key, ident))
+            if dv <= 0:
+                continue
+            h = hist[AGG[kind] + "_hist"]
+            self._key_cols(h, kind, ident, now, interval)
+            slot = ident[4]
+            h["slot"].append(slot)
+            h["lo_ns"].append(1 << (slot - 1) if slot else 0)
+            h["hi_ns"].append((1 << slot) - 1 if slot else 0)
+            h["count"].append(dv)
+
+    def _sweep(self, exited: list) -> None:
+        for name, key, ident in exited:
+            # everything the process did is in earlier rows: its keys can go, so a long capture of
+            # many short-lived processes does not fill the maps (a reused pid starts from 0)
+            try:
+                del self.t[name][key]
+            except Exception:
+                continue
+            (self.prev_s if name == "agg_stats" else self.prev_h).pop(ident, None)
+            self.c["keys_swept"] += 1
 
     def _key_cols(self, r: dict, kind: int, ident: tuple, now: int, interval: int) -> None:
         _, pid, dev, op = ident[:4]

@@ -5,18 +5,34 @@ and a bug report can carry one.
 """
 from __future__ import annotations
 
+import errno
 import struct
 from typing import BinaryIO
+
+from kvtrace.dataset.writer import private_open
+from kvtrace.errors import OutputError
 
 LEN = struct.Struct("<I")
 
 
+def create(path) -> BinaryIO:
+    """Open path for writing, empty, mode 0600 like the dataset's files (writer.private_open)."""
+    try:
+        return private_open(path, "wb")
+    except OSError as e:
+        raise OutputError(f"cannot write --raw-out {path}: {e.strerror}; choose another file") from None
+
+
 def append(f: BinaryIO, batch: dict[int, list[bytes]]) -> None:
-    for records in batch.values():
-        for r in records:
-            f.write(LEN.pack(len(r)))
-            f.write(r)
-    f.flush()
+    try:
+        for records in batch.values():
+            for r in records:
+                f.write(LEN.pack(len(r)))
+                f.write(r)
+        f.flush()
+    except OSError as e:
+        what = "disk full" if e.errno == errno.ENOSPC else e.strerror
+        raise OutputError(f"cannot write the --raw-out file: {what}; the records written before stay readable") from None
 
 
 def read(path) -> dict[int, list[bytes]]:

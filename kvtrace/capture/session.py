@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvtrace.agentflag import AgentFlag
-from kvtrace.capture import agg, fdskip
+from kvtrace.capture import agg, fdskip, rawfile
 from kvtrace.errors import OutputError
 from kvtrace.fabric import session as fabric
 from kvtrace.status import StatusLine
@@ -82,7 +82,7 @@ def run(cap: Capture, echo) -> tuple[object, str]:
             pids.append(gated.pid)
         for pid in pids:
             source.add_target(pid)
-        raw = open(cap.raw_out, "wb") if cap.raw_out else None
+        raw = rawfile.create(cap.raw_out) if cap.raw_out else None
         pipeline = Pipeline(source, plan, writer, pids, command=" ".join(cap.command), raw_out=raw,
                             fresh_pids=(gated.pid,) if gated else (), release_startup=memory.trimming())
         fdskip.start(pipeline, source, list(cap.pids))   # sockets, pipes, eventfds: skipped in the kernel
@@ -147,8 +147,8 @@ def _loop(cap: Capture, source, pipeline, server, stop: Stop, gated, echo) -> st
                 t = pipeline.totals
                 status.update(t.total(), t.bytes_read, t.bytes_written, sum(pipeline.lost_by_table().values()), source.dropped)
         status.done()
-    except OutputError as e:
-        echo(f"kvtrace: {e}")
+    except OutputError:   # kvtrace.cli prints it, once
+        status.done()
         raise
     finally:   # also when writing failed: the server must not keep a hook for a dead capture
         if watch is not None and watch.injection is not None:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import click
 
-from kvtrace.capture import BY_NAME, program, session
+from kvtrace.capture import BY_NAME, program, rawfile, session
+from kvtrace.commands.params import FLUSH_MIN_S, METRICS_MIN_S, Seconds
 from kvtrace.dataset.writer import DatasetWriter
 from kvtrace.errors import PrivilegeError, UsageError
 from kvtrace.fabric import session as fabric
@@ -14,7 +15,7 @@ from kvtrace.vllm.select import choose_server, server_of
 @click.command("attach", context_settings={"ignore_unknown_options": False})
 @click.option("--pid", "pids", type=int, multiple=True, help="Process to trace (all its threads, and children started later). Repeatable.")
 @click.option("--out", "out", type=click.Path(file_okay=False), required=True, help="Dataset directory to write (created if missing).")
-@click.option("--duration", type=float, default=None, help="Stop after this many seconds.")
+@click.option("--duration", type=Seconds(), default=None, help="Stop after this many seconds (more than 0).")
 @click.option("--probe", "probe_names", multiple=True, type=click.Choice(sorted(BY_NAME)), help="Only these probes (default: all this kernel supports).")
 @click.option("--no-writes", is_flag=True, help="Do not trace write system calls.")
 @click.option("--skip-nonfile-fds/--trace-nonfile-fds", "skip_fds", default=True, show_default=True,
@@ -22,7 +23,8 @@ from kvtrace.vllm.select import choose_server, server_of
                    "is not a file (far fewer events from a serving process); --trace-nonfile-fds traces them all.")
 @click.option("--ringbuf-pages", type=int, default=2048, show_default=True,
               help="Ring buffer size in pages (a power of two; 2048 = 8 MiB, all of it in the agent's RSS).")
-@click.option("--flush-interval", type=float, default=1.0, show_default=True, help="Seconds between Parquet part files (a crash loses the last interval, and a flush under way).")
+@click.option("--flush-interval", type=Seconds(FLUSH_MIN_S), default=1.0, show_default=True,
+              help=f"Seconds between Parquet part files, at least {FLUSH_MIN_S:g} (a crash loses the last interval, and a flush under way).")
 @click.option("--quiet", is_flag=True, help="No live status line.")
 @click.option("--sampling", "sampling", default="auto", show_default=True, metavar="auto|off|N",
               help="Raw block/file/io_uring events: auto samples them (1 in N, each row with its weight) while the ring "
@@ -34,8 +36,9 @@ from kvtrace.vllm.select import choose_server, server_of
 @click.option("--kv-events", "kv_events", default=None, metavar="ENDPOINT", help="vLLM KV-event endpoint as given to vLLM's --kv-events-config (default: from the discovered server).")
 @click.option("--kv-replay", "kv_replay", default=None, metavar="ENDPOINT", help="vLLM KV-event replay endpoint, with --kv-events.")
 @click.option("--metrics-url", default=None, metavar="URL", help="vLLM Prometheus URL to scrape (default: the discovered server's /metrics).")
-@click.option("--metrics-interval", type=float, default=30.0, show_default=True,
-              help="Seconds between /metrics scrapes (each costs vLLM's API server about 10 ms of CPU; one at attach, one more at stop).")
+@click.option("--metrics-interval", type=Seconds(METRICS_MIN_S), default=30.0, show_default=True,
+              help=f"Seconds between /metrics scrapes, at least {METRICS_MIN_S:g} (each costs vLLM's API server about 10 ms "
+                   "of CPU; one at attach, one more at stop).")
 @click.option("--otlp", "otlp", default=None, metavar="URL", help="Also stream spans and metrics over OTLP while attached (http://host:4317 gRPC, http://host:4318 HTTP).")
 @click.option("--otlp-protocol", type=click.Choice(["grpc", "http"]), default="grpc", show_default=True, help="OTLP transport for --otlp.")
 @click.option("--inject/--no-inject", default=True, show_default=True, help="Inject the vLLM hook into the server's EngineCore and Workers (removed again at the end).")
@@ -62,8 +65,6 @@ def command(pids, out, duration, probe_names, no_writes, skip_fds, ringbuf_pages
         from kvtrace.otlp.exporter import parse_endpoint
 
         parse_endpoint(otlp, otlp_protocol)  # a bad URL is a usage error, before anything is attached
-    if metrics_interval <= 0:
-        raise UsageError("--metrics-interval must be a positive number of seconds")
     if kv_replay and not kv_events:
         raise UsageError("--kv-replay needs --kv-events")
     server = None
@@ -78,8 +79,6 @@ def command(pids, out, duration, probe_names, no_writes, skip_fds, ringbuf_pages
             pids = tuple(dict.fromkeys([*pids, *server.pids]))
     if on_restart is not None and server is None:
         raise UsageError("--on-restart applies to a vLLM server: use it with --port, --yes, or --pid of a vLLM server")
-    if duration is not None and duration <= 0:
-        raise UsageError("--duration must be a positive number of seconds")
     if ringbuf_pages <= 0 or ringbuf_pages & (ringbuf_pages - 1):
         raise UsageError("--ringbuf-pages must be a power of two (e.g. 1024)")
     missing = privileges.missing_for_capture()
@@ -89,6 +88,8 @@ def command(pids, out, duration, probe_names, no_writes, skip_fds, ringbuf_pages
         raise PrivilegeError("tracefs is not mounted: mount -t tracefs tracefs /sys/kernel/tracing (or run scripts/setup-host)")
     pids = targets.check_pids(list(pids))
     writer = DatasetWriter(out, new_run_id(), default_host())
+    if raw_out:
+        rawfile.create(raw_out).close()  # mode 0600 like the dataset; not writable: one line, exit 5, nothing attached
     plan = program.plan(list(probe_names) or None, ringbuf_pages=ringbuf_pages, trace_writes=not no_writes,
                         skip_fds=skip_fds)
     cap = session.Capture(plan, writer, pids, out, list(command), server, duration, flush_interval, sampling, raw_out,

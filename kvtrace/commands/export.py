@@ -5,6 +5,7 @@ import json
 
 import click
 
+from kvtrace.commands.params import Seconds
 from kvtrace.errors import ExportError
 
 
@@ -14,7 +15,7 @@ from kvtrace.errors import ExportError
               help="OTLP endpoint: http://host:4317 (gRPC) or http://host:4318 (HTTP/protobuf).")
 @click.option("--otlp-protocol", "protocol", type=click.Choice(["grpc", "http"]), default="grpc", show_default=True)
 @click.option("--run", default=None, help="Only this run id.")
-@click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds per OTLP request.")
+@click.option("--timeout", type=Seconds(), default=10.0, show_default=True, help="Seconds per OTLP request (more than 0).")
 @click.option("--json", "as_json", is_flag=True, help="Print what was sent as JSON.")
 def command(directory, url, protocol, run, timeout, as_json) -> int:
     """Replay a recorded dataset as the same spans `kvtrace attach --otlp` streams live.

@@ -35,24 +35,22 @@ def _console(stderr: bool):
 
 
 def render(servers, console=None) -> None:
-    """The servers as a rich table (to stderr by default, so stdout stays clean for pipes)."""
-    from rich.table import Table
+    """The servers as a rich table (to stderr by default, so stdout stays clean for pipes),
+    fitted to the console's width: the least needed columns go first (Python, then the Worker
+    and EngineCore pids; `kvtrace servers --json` has them all), then endpoints and models fold."""
+    from kvtrace.analysis.render import Col, Term
 
     console = console or _console(stderr=True)
-    t = Table(title=f"vLLM servers ({len(servers)})", title_justify="left")
-    for col in ("API pid", "port", "EngineCore", "Workers", "Python", "vLLM", "plugin"):
-        t.add_column(col, no_wrap=True)
-    t.add_column("KV events", overflow="fold", min_width=12)
-    t.add_column("model", overflow="fold", min_width=10)
-    for s in servers:
-        t.add_row(
-            " ".join(map(str, s.api_pids)), str(s.port) if s.port is not None else "-",
-            " ".join(map(str, s.engine_pids)) or "-", " ".join(map(str, s.worker_pids)) or "-",
-            s.python_version or "?", s.vllm_version or "?",
-            {"installed": "yes", "absent": "no"}.get(s.plugin, s.plugin), kv_label(s),
-            (os.path.basename((s.model or "?").rstrip("/")) or s.model) + where(s),
-        )
-    console.print(t)
+    cols = [Col("API pid", justify="left", wrap="word"), Col("port", justify="left"),
+            Col("EngineCore", 3, justify="left", wrap="word"), Col("Workers", 3, justify="left", wrap="word"),
+            Col("Python", 4, justify="left"), Col("vLLM", 1, justify="left"), Col("plugin", 2, justify="left"),
+            Col("KV events", 1, justify="left", wrap="fold"), Col("model", justify="left", wrap="fold")]
+    rows = [[" ".join(map(str, s.api_pids)), str(s.port) if s.port is not None else "-",
+             " ".join(map(str, s.engine_pids)) or "-", " ".join(map(str, s.worker_pids)) or "-",
+             s.python_version or "?", s.vllm_version or "?", {"installed": "yes", "absent": "no"}.get(s.plugin, s.plugin),
+             kv_label(s), (os.path.basename((s.model or "?").rstrip("/")) or s.model) + where(s)] for s in servers]
+    Term(console, hint="kvtrace servers --json shows them").table(f"vLLM servers ({len(servers)})", cols, rows,
+                                                                   title_justify="left")
 
 
 @click.command("servers")

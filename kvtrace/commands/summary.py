@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import json
+import textwrap
 
 import click
 import pyarrow as pa
 import pyarrow.compute as pc
 from rich.console import Console
-from rich.table import Table
 
 from kvtrace.dataset.reader import Dataset
 from kvtrace.status import human_bytes
@@ -87,30 +87,47 @@ def print_summary(ds: Dataset, run: str | None = None, console: Console | None =
     console = console or Console(stderr=False)
     s = summarize(ds, run)
     for r in s["runs"]:
-        lost = sum((r.get("lost_events") or {}).values())
-        console.print(
-            f"run {r['run']} ({r['status']}): pids {r['pids']}, "
-            f"{(r['stop_ns'] - r['start_ns']) / 1e9:.1f} s, lost {lost}, dropped {r['dropped_events']}, "
-            f"probes {', '.join(r['probes_attached'])}"
-        )
-        for probe, why in (r.get("probes_skipped") or {}).items():
-            if why != "not selected":
-                console.print(f"  skipped {probe}: {why}")
-        for line in sink_lines(r) + untraced_lines(r):
-            console.print(line, markup=False, highlight=False, soft_wrap=True)
-    t = Table(title=f"kvtrace summary of {ds.root}")
-    for col in ("table", "rows", "bytes", "pids", "p50 ms", "p99 ms"):
-        t.add_column(col, justify="right" if col != "table" else "left")
-    for name, st in s["tables"].items():
-        t.add_row(
-            name, f"{st['rows']:,}", human_bytes(st["bytes"]) if "bytes" in st else "-",
-            ",".join(map(str, st.get("pids", [])[:6])) + (" …" if len(st.get("pids", [])) > 6 else ""),
-            _ms(st.get("latency_p50_ns")), _ms(st.get("latency_p99_ns")),
-        )
-    console.print(t)
-    for p in s["problems"]:
-        console.print(f"[yellow]warning:[/] {p}")
-    return s
+        print_run(console, r)
+    print_tables(console, f"kvtrace summary of {ds.root}", s["tables"])
+    return s   # files left out were named on stderr when the dataset was opened (--json lists them)
+
+
+def print_run(console: Console, r: dict) -> None:
+    """A run's line, then its pids, probes, skipped probes, sinks and untraced events, each
+    wrapped under itself at the console's width.  To a pipe or a file the sink and untraced
+    lines stay whole, one line each, for grep."""
+    from kvtrace.analysis.render import Term
+
+    t = Term(console)
+    lost = sum((r.get("lost_events") or {}).values())
+    console.print(f"run {r['run']} ({r['status']}): {(r['stop_ns'] - r['start_ns']) / 1e9:.1f} s, lost {lost}, "
+                  f"dropped {r['dropped_events']}", markup=False)
+    t.prose("  pids", ", ".join(map(str, r["pids"])))
+    t.prose("  probes", ", ".join(r["probes_attached"]))
+    for probe, why in (r.get("probes_skipped") or {}).items():
+        if why != "not selected":
+            t.prose(f"  skipped {probe}", str(why))
+    for line in sink_lines(r) + untraced_lines(r):
+        if console.is_terminal:
+            line = textwrap.fill(line.strip(), console.width, initial_indent="  ", subsequent_indent="    ",
+                                 break_on_hyphens=False)
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def print_tables(console: Console, title: str, tables: dict) -> None:
+    """One row per table, fitted to the console's width (pids wrap; the least needed columns go
+    first, and `kvtrace summary --json` has them)."""
+    from kvtrace.analysis.render import Col, Term
+
+    def pids(st):
+        p = st.get("pids", [])
+        return ", ".join(map(str, p[:6])) + (f" (+{len(p) - 6})" if len(p) > 6 else "")
+
+    cols = [Col("table", justify="left"), Col("rows"), Col("bytes", 1), Col("pids", 2, justify="left", wrap="word"),
+            Col("p50 ms", 1), Col("p99 ms", 1)]
+    rows = [[name, f"{st['rows']:,}", human_bytes(st["bytes"]) if "bytes" in st else "-", pids(st),
+             _ms(st.get("latency_p50_ns")), _ms(st.get("latency_p99_ns"))] for name, st in tables.items()]
+    Term(console, hint="kvtrace summary --json shows them").table(title, cols, rows)
 
 
 @click.command("summary")

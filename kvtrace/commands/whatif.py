@@ -4,30 +4,38 @@ from __future__ import annotations
 import click
 
 
-def _ints(s: str | None) -> list[int] | None:
-    if s is None:
-        return None
-    out = []
-    for part in s.split(","):
-        part = part.strip()
-        try:
-            v = int(part)
-        except ValueError:
-            raise click.BadParameter(f"{part!r} is not a whole number (give e.g. 256,512)") from None
-        if v <= 0:
-            raise click.BadParameter(f"{v} must be positive")
-        out.append(v)
-    return out
+def _ints(minimum: int = 1):
+    """A click callback: a comma-separated list of whole numbers, each at least ``minimum``
+    (0, negatives, nan, fractions and empty items are refused with the option's name)."""
+
+    def parse(ctx, param, s: str | None) -> list[int] | None:
+        if s is None:
+            return None
+        out = []
+        for part in s.split(","):
+            part = part.strip()
+            try:
+                v = int(part)
+            except ValueError:
+                raise click.BadParameter(f"{part!r} is not a whole number (give e.g. 256,512)") from None
+            if v < minimum:
+                raise click.BadParameter(f"{v} is too small: give whole numbers of at least {minimum}")
+            out.append(v)
+        return out
+
+    return parse
 
 
 @click.command("whatif")
 @click.argument("directory", type=click.Path())
-@click.option("--chunk-size", help="Chunk budget(s), tokens per step (vLLM --max-num-batched-tokens), comma-separated. Default: as recorded.")
-@click.option("--block-size", help="Tokens per KV block, comma-separated; multiples of the recorded block size. Default: as recorded.")
-@click.option("--cache-blocks", help="KV cache size(s) in blocks (vLLM --num-gpu-blocks-override: the null block included), comma-separated.")
+@click.option("--chunk-size", callback=_ints(), help="Chunk budget(s), tokens per step (vLLM --max-num-batched-tokens), comma-separated. Default: as recorded.")
+@click.option("--block-size", callback=_ints(), help="Tokens per KV block, comma-separated; multiples of the recorded block size. Default: as recorded.")
+@click.option("--cache-blocks", callback=_ints(2),
+              help="KV cache size(s) in blocks (vLLM --num-gpu-blocks-override: the null block included, so at least 2), "
+                   "comma-separated; a size whose replay would take more than half of MemAvailable is refused.")
 @click.option("--storage-tier", default=None,
               help="Comma-separated: none, or file[:BLOCKS] (a KV connector that stores every computed block and "
-                   "loads a prefix back at admission; BLOCKS bounds it, LRU). Default: none.")
+                   "loads a prefix back at admission; BLOCKS, a whole number above 0, bounds it, LRU). Default: none.")
 @click.option("--max-num-seqs", type=click.IntRange(1), default=256, show_default=True, help="Running requests at most (vLLM --max-num-seqs).")
 @click.option("--json", "as_json", is_flag=True, help="Print the predictions as JSON.")
 def command(directory, chunk_size, block_size, cache_blocks, storage_tier, max_num_seqs, as_json) -> int:
@@ -37,8 +45,8 @@ def command(directory, chunk_size, block_size, cache_blocks, storage_tier, max_n
     from kvtrace.analysis import whatif
 
     tiers = [t.strip() for t in storage_tier.split(",")] if storage_tier else None
-    res = whatif.run(directory, chunk_sizes=_ints(chunk_size), block_sizes=_ints(block_size),
-                     cache_blocks=_ints(cache_blocks), tiers=tiers, max_num_seqs=max_num_seqs)
+    res = whatif.run(directory, chunk_sizes=chunk_size, block_sizes=block_size,
+                     cache_blocks=cache_blocks, tiers=tiers, max_num_seqs=max_num_seqs)
     if as_json:
         click.echo(json.dumps(res, indent=1))
     else:

@@ -6,20 +6,20 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from kvtrace.correlate.core import Result, correlate
 from kvtrace.correlate.inputs import OVERLAP_PREFIXES, TABLES_USED
 from kvtrace.correlate.requests import Acc, Requests, request_row, requests_table, trace_info
 from kvtrace.dataset import schema
-from kvtrace.errors import DatasetError
+from kvtrace.dataset.reader import Dataset
+from kvtrace.errors import DatasetError, UsageError
 
 DERIVED = ("requests", "chunks", "steps", "attributions")
+HOOK_NEEDED = ("step", "chunk", "admit")  # vLLM's records without which there is nothing to derive
 
 
 @dataclass
@@ -32,44 +32,26 @@ class RunInfo:
     status: str
 
 
-def _check_meta(path: Path) -> None:
-    try:
-        meta = json.loads((pq.read_schema(path).metadata or {}).get(schema.META_KEY, b"{}"))
-    except Exception as e:
-        raise DatasetError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
-    v = meta.get("schema_version")
-    if v is not None and v != schema.SCHEMA_VERSION:
-        raise DatasetError(f"{path} has schema version {v}; this kvtrace reads version {schema.SCHEMA_VERSION}")
+def _open(root) -> Dataset:
+    return root if isinstance(root, Dataset) else Dataset.open(root)
 
 
-def runs_of(root: Path) -> list[RunInfo]:
-    out = []
-    for path in sorted((root / "runs").rglob("*.parquet")):
-        if path.name.startswith((".", "_")):
-            continue
-        _check_meta(path)
-        parts = dict(p.split("=", 1) for p in path.relative_to(root).parts if "=" in p)
-        for r in pq.read_table(path).to_pylist():
-            out.append(RunInfo(r["run"], parts.get("host", ""), parts.get("date", ""), int(r["clock_offset_ns"] or 0),
-                               int(r["start_ns"] or 0), r.get("status") or ""))
-    return out
+def runs_of(root) -> list[RunInfo]:
+    """The runs of a dataset (a Dataset or its directory), from its runs table."""
+    return [RunInfo(r["run"], r.get("host") or "", r.get("date") or "", int(r["clock_offset_ns"] or 0),
+                    int(r["start_ns"] or 0), r.get("status") or "") for r in _open(root).table("runs").to_pylist()]
 
 
-def load_run(root: Path, info: RunInfo) -> dict[str, pa.Table]:
+def load_run(root, info: RunInfo) -> dict[str, pa.Table]:
     """The raw tables of one run on one host (files named after the run, in its host partition)."""
+    ds = _open(root)
     tables: dict[str, pa.Table] = {}
-    for d in sorted(p for p in root.iterdir() if p.is_dir()):
-        name = d.name
-        if name in DERIVED or name == "runs" or not (name in TABLES_USED or name.startswith(OVERLAP_PREFIXES)):
+    for name in ds.names():
+        if name in DERIVED or not (name in TABLES_USED or name.startswith(OVERLAP_PREFIXES)):
             continue
-        parts = []
-        for path in sorted(d.glob(f"host={info.host}/date=*/{info.run}*.parquet")):
-            if path.name.startswith((".", "_")) or not (path.stem == info.run or path.stem.startswith(info.run + "-p")):
-                continue
-            _check_meta(path)
-            parts.append(pq.read_table(path).replace_schema_metadata(None))
-        if parts:
-            tables[name] = pa.concat_tables(parts, promote_options="default")
+        t = ds.table(name, run=info.run, host=info.host, partitions=False)
+        if t.num_rows:  # an absent table reads as no rows (kvtrace.correlate.inputs)
+            tables[name] = t
     return tables
 
 
@@ -112,43 +94,83 @@ def _correlate_tables(tables: dict[str, pa.Table], run: str, io_span_bytes: int 
     return res, accs, requests_table(run, accs, rows), traces, rows
 
 
-def correlate_run(root: Path, info: RunInfo, io_span_bytes: int = 1 << 20) -> RunCorrelation:
+def correlate_run(root, info: RunInfo, io_span_bytes: int = 1 << 20) -> RunCorrelation:
     with no_gc():
         res, accs, req_tbl, traces, rows = _correlate_tables(load_run(root, info), info.run, io_span_bytes)
     return RunCorrelation(info, res, req_tbl, accs, traces, rows)
 
 
-def write_derived(root: Path, rc: RunCorrelation) -> dict[str, int]:
+def derived_tables(rc: RunCorrelation) -> dict[str, pa.Table]:
+    return {"requests": rc.requests, "chunks": rc.result.chunks, "steps": rc.result.steps,
+            "attributions": rc.result.attributions}
+
+
+ON_FULL = "kvtrace correlate stopped; the raw tables are untouched (run kvtrace correlate again once there is space)"
+
+
+def write_derived(root, rc: RunCorrelation) -> dict[str, int]:
     """Write (or replace) the run's derived tables; returns rows per table."""
     from kvtrace import __version__
     from kvtrace.dataset.writer import _write
 
+    root = root.root if isinstance(root, Dataset) else Path(root)
     out = {}
-    tables = {"requests": rc.requests, "chunks": rc.result.chunks, "steps": rc.result.steps,
-              "attributions": rc.result.attributions}
-    for name, t in tables.items():
+    for name, t in derived_tables(rc).items():
         t = t.cast(schema.TABLES[name]) if name in schema.TABLES else t
         t = schema.with_run(t, rc.info.run)
         path = root / name / f"host={rc.info.host}" / f"date={rc.info.date}" / f"{rc.info.run}.parquet"
         _write(t, path, {"schema_version": schema.SCHEMA_VERSION, "kvtrace_version": __version__,
-                         "run": rc.info.run, "table": name})
+                         "run": rc.info.run, "table": name}, on_full=ON_FULL)
         out[name] = t.num_rows
     return out
 
 
-def correlate_dataset(root, run: str | None = None, write: bool = True) -> list[tuple[RunCorrelation, dict]]:
-    root = Path(root)
-    if not root.is_dir():
-        raise DatasetError(f"no dataset at {root}: give the --out directory of a kvtrace attach")
-    infos = runs_of(root)
+def shrinking(ds: Dataset, rc: RunCorrelation) -> dict[str, tuple[int, int]]:
+    """Derived tables of the run that would be replaced by fewer rows: name -> (rows now, rows new)."""
+    i = rc.info
+    now = {name: ds.rows(name, run=i.run, host=i.host) for name in DERIVED}
+    new = {name: t.num_rows for name, t in derived_tables(rc).items()}
+    return {name: (now[name], new[name]) for name in DERIVED if new[name] < now[name]}
+
+
+def _fewer_text(rc: RunCorrelation, fewer: dict[str, tuple[int, int]], ds: Dataset) -> str:
+    i = rc.info
+    lacking = [t for t in HOOK_NEEDED if not ds.files(t, run=i.run, host=i.host)]
+    torn = [s.path for s in ds.skipped if s.table not in DERIVED]
+    why = [f"no readable {', '.join(lacking)} records of the run"] if lacking else []
+    why += [f"unreadable, left out: {torn[0]}" + (f" and {len(torn) - 1} more files" if len(torn) > 1 else "")] if torn else []
+    counts = ", ".join(f"{n} {a} -> {b}" for n, (a, b) in fewer.items())
+    return f"the derived tables of run {i.run} ({i.host}) by fewer rows: {counts}" + (f" ({'; '.join(why)})" if why else "")
+
+
+def check_shrinking(ds: Dataset, done: list[RunCorrelation], force: bool) -> None:
+    """Refuse (before anything is written) to replace derived tables by fewer rows; with force,
+    say that it is done."""
+    for rc in done:
+        fewer = shrinking(ds, rc)
+        if fewer and not force:
+            raise UsageError(f"not replacing {_fewer_text(rc, fewer, ds)}; nothing written "
+                             "(give --force to replace them)")
+        if fewer:
+            ds.say(f"--force: replacing {_fewer_text(rc, fewer, ds)}")
+
+
+def correlate_dataset(root, run: str | None = None, write: bool = True,
+                      force: bool = False) -> list[tuple[RunCorrelation, dict]]:
+    """Correlate every run (or one) and, with write, replace its derived tables; refuses
+    (UsageError, exit 2) to replace one by fewer rows unless force."""
+    ds = root if isinstance(root, Dataset) else Dataset.open(root, defer=True)
+    infos = runs_of(ds)
     if not infos:
-        raise DatasetError(f"{root} holds no kvtrace runs (expected {root}/runs/host=*/date=*/*.parquet)")
+        raise DatasetError(f"{ds.root} holds no kvtrace runs (expected {ds.root}/runs/host=*/date=*/*.parquet)")
     if run is not None:
         infos = [i for i in infos if i.run == run]
         if not infos:
-            raise DatasetError(f"{root} has no run {run}")
-    out = []
-    for info in infos:
-        rc = correlate_run(root, info)
-        out.append((rc, write_derived(root, rc) if write else {}))
-    return out
+            raise DatasetError(f"{ds.root} has no run {run}")
+    done = [correlate_run(ds, info) for info in infos]
+    if write:
+        check_shrinking(ds, done, force)
+    ds.go_on()
+    if not write:
+        return [(rc, {}) for rc in done]
+    return [(rc, write_derived(ds, rc)) for rc in done]

@@ -1,13 +1,27 @@
-"""Read a recorded dataset (no root, no bcc): tables by name, runs, and what could not be read.
+"""Read a recorded dataset (no root, no bcc): the one reader of kvtrace's Parquet files.
 
-Files are read one by one so a truncated or corrupt file is reported by name and the rest
-is still analysed.  Partition columns ``host`` and ``date`` come from the paths.
+Every command that reads a dataset (summary, correlate, export, analyze, whatif) opens it
+here, so one rule holds for all of them (docs/schema.md, "Reading a dataset"):
+
+- no directory, not a directory, no Parquet file under it: DatasetError (exit 6);
+- a file whose footer reads but that carries no kvtrace ``schema_version``, or another one:
+  DatasetError naming the file (its columns may mean something else);
+- a file that cannot be read (a part torn by a crash, truncated, a corrupt footer or page,
+  no permission): left out, named in ``problems`` and in one warning line on stderr, and the
+  rest is read; every file unreadable: DatasetError.  A command that may still fail on what is
+  left opens with ``defer=True`` and lets the warnings out (``go_on``) once it goes on, so an
+  error stays one line.
+
+Files are listed once, at open, and every footer is read then (versions, columns, row
+counts).  Partition columns ``host`` and ``date`` come from the paths.
 """
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -15,77 +29,221 @@ import pyarrow.parquet as pq
 from kvtrace.dataset import schema
 from kvtrace.errors import DatasetError
 
+HIDDEN = (".", "_")  # temp files of an atomic write, _SUCCESS and the like
 
-def _partition_values(path: Path) -> dict[str, str]:
-    out = {}
-    for part in path.parts:
-        if "=" in part:
-            k, v = part.split("=", 1)
-            out[k] = v
-    return out
+
+def warn_stderr(line: str) -> None:
+    """The one way a reading problem is reported: one line on stderr."""
+    sys.stderr.write(f"kvtrace: warning: {line}\n")
+    sys.stderr.flush()
+
+
+def partition_values(path: Path) -> dict[str, str]:
+    return dict(part.split("=", 1) for part in path.parts if "=" in part)
+
+
+@dataclass
+class Skipped:
+    """A file left out because it cannot be read."""
+    table: str
+    path: Path
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.why}; its rows of {self.table} are left out"
+
+
+@dataclass
+class Footer:
+    schema: pa.Schema
+    rows: int
+    version: object  # the kvtrace schema_version it carries (None: none)
+
+
+def _footer_why(e: Exception) -> str:
+    text = str(e).splitlines()[0][:200] if str(e) else ""
+    if any(w in text.lower() for w in ("footer", "magic", "size")):
+        return "truncated or corrupt (no readable Parquet footer)"
+    return f"unreadable ({type(e).__name__}: {text})"
+
+
+def _read_footer(path: Path) -> Footer:
+    md = pq.read_metadata(path)
+    arrow = md.schema.to_arrow_schema()
+    try:
+        version = json.loads((arrow.metadata or {}).get(schema.META_KEY, b"{}")).get("schema_version")
+    except (ValueError, AttributeError):
+        version = None
+    return Footer(arrow, md.num_rows, version)
+
+
+def _check_dir(root: Path) -> None:
+    if not root.exists():
+        raise DatasetError(f"no dataset at {root}: give the --out directory of a kvtrace attach")
+    if not root.is_dir():
+        raise DatasetError(f"{root} is not a directory: give the --out directory of a kvtrace attach")
+
+
+def list_files(root: Path) -> dict[str, list[Path]]:
+    """Every table directory of root (runs included) -> its Parquet files, sorted."""
+    try:
+        dirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(HIDDEN))
+        return {d.name: sorted(p for p in d.rglob("*.parquet") if not p.name.startswith(HIDDEN)) for d in dirs}
+    except OSError as e:
+        raise DatasetError(f"cannot read {root}: {e.strerror}") from None
+
+
+def version_error(bad: list[tuple[Path, object]], mixed: bool) -> DatasetError:
+    path, v = bad[0]
+    what = "no kvtrace schema version (not written by kvtrace, or its metadata was stripped)" if v is None \
+        else f"schema version {v}"
+    more = f" ({len(bad) - 1} more files like it)" if len(bad) > 1 else ""
+    mix = f" (the dataset mixes versions: other files are version {schema.SCHEMA_VERSION})" if mixed else ""
+    return DatasetError(f"{path} has {what}; this kvtrace reads version {schema.SCHEMA_VERSION}{more}{mix}")
 
 
 @dataclass
 class Dataset:
     root: Path
-    problems: list[str] = field(default_factory=list)
+    warn: Callable[[str], None] | None = warn_stderr
+    skipped: list[Skipped] = field(default_factory=list)
+    footers: dict[str, dict[Path, Footer]] = field(default_factory=dict)  # readable files per table
+    pending: list[str] | None = None  # warnings held back until go_on()
 
     @classmethod
-    def open(cls, root) -> "Dataset":
+    def open(cls, root, warn: Callable[[str], None] | None = warn_stderr, defer: bool = False) -> "Dataset":
+        """The dataset at root, every file's footer read and its version checked (module docstring)."""
         root = Path(root)
-        if not root.is_dir():
-            raise DatasetError(f"no dataset at {root}: give the --out directory of a kvtrace attach")
-        ds = cls(root)
-        if not ds.files("runs") and not ds.names():
-            raise DatasetError(f"{root} holds no kvtrace tables (expected e.g. {root}/block_io/host=*/date=*/*.parquet)")
+        _check_dir(root)
+        found = list_files(root)
+        if not any(found.values()):
+            raise DatasetError(f"{root} is an empty dataset: no kvtrace tables in it "
+                               f"(expected e.g. {root}/block_io/host=*/date=*/*.parquet)")
+        ds = cls(root, warn, pending=[] if defer else None)
+        for name, paths in found.items():
+            ds.footers[name] = {p: f for p in paths if (f := ds._footer(name, p)) is not None}
         ds._check_versions()
+        if not any(ds.footers.values()):
+            raise DatasetError(f"none of the {len(ds.skipped)} Parquet files of {root} can be read: "
+                               f"{ds.skipped[0].path}: {ds.skipped[0].why}")
+        ds._report(ds.skipped)
         return ds
 
-    def names(self) -> list[str]:
-        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and p.name != "runs" and not p.name.startswith((".", "_")) and self.files(p.name))
-
-    def files(self, name: str) -> list[Path]:
-        base = self.root / name
-        if not base.is_dir():
-            return []
-        return sorted(p for p in base.rglob("*.parquet") if not p.name.startswith((".", "_")))
+    def _footer(self, name: str, path: Path) -> Footer | None:
+        try:
+            return _read_footer(path)
+        except Exception as e:  # noqa: BLE001 - any failure to read a file is the same problem
+            self.skipped.append(Skipped(name, path, _footer_why(e)))
+            return None
 
     def _check_versions(self) -> None:
-        for path in self.files("runs"):
-            try:
-                meta = json.loads((pq.read_schema(path).metadata or {}).get(schema.META_KEY, b"{}"))
-            except Exception as e:
-                self.problems.append(f"{path}: unreadable ({e})")
-                continue
-            version = meta.get("schema_version")
-            if version != schema.SCHEMA_VERSION:
-                raise DatasetError(
-                    f"{path} has schema version {version}; this kvtrace reads version {schema.SCHEMA_VERSION}"
-                )
+        seen = [(p, f.version) for files in self.footers.values() for p, f in files.items()]
+        bad = [(p, v) for p, v in seen if v != schema.SCHEMA_VERSION]
+        if bad:
+            raise version_error(bad, mixed=len(bad) < len(seen))
 
-    def table(self, name: str) -> pa.Table:
-        """All rows of one table, with host and date columns; unreadable files are noted in problems."""
-        parts = []
-        for path in self.files(name):
-            try:
-                t = pq.read_table(path)
-            except Exception as e:
-                self.problems.append(f"{path}: unreadable ({type(e).__name__}: {e}); skipped")
+    def say(self, line: str) -> None:
+        """A warning: one line on stderr (held back while deferred)."""
+        if self.pending is not None:
+            self.pending.append(line)
+        elif self.warn is not None:
+            self.warn(line)
+
+    def go_on(self) -> None:
+        """Let the held-back warnings out: the command goes on with what could be read."""
+        pending, self.pending = self.pending or [], None
+        for line in pending:
+            self.say(line)
+
+    def _report(self, skipped: list[Skipped]) -> None:
+        if not skipped:
+            return
+        if len(skipped) == 1:
+            self.say(str(skipped[0]))
+            return
+        tables = ", ".join(sorted({s.table for s in skipped}))
+        self.say(f"{len(skipped)} files of {self.root} cannot be read and are left out (tables {tables}): "
+                  f"{skipped[0]}; and {len(skipped) - 1} more (kvtrace summary --json lists them)")
+
+    @property
+    def problems(self) -> list[str]:
+        """What could not be read, one line per file."""
+        return [str(s) for s in self.skipped]
+
+    def names(self) -> list[str]:
+        """The tables with a readable file, but runs."""
+        return sorted(n for n, files in self.footers.items() if files and n != "runs")
+
+    def files(self, name: str, run: str | None = None, host: str | None = None) -> list[Path]:
+        """Readable files of a table; of one run (files named after it) on one host, if given."""
+        out = []
+        for p in self.footers.get(name, {}):
+            if run is not None and not (p.stem == run or p.stem.startswith(run + "-p")):
                 continue
-            for k, v in _partition_values(path.relative_to(self.root)).items():
+            if host is not None and partition_values(p.relative_to(self.root)).get("host") != host:
+                continue
+            out.append(p)
+        return out
+
+    def rows(self, name: str, run: str | None = None, host: str | None = None) -> int:
+        """Rows of a table (from the footers: nothing is read)."""
+        return sum(self.footers[name][p].rows for p in self.files(name, run, host))
+
+    def columns(self, name: str, paths: list[Path] | None = None) -> set[str]:
+        """Column names found in the table's files (or in those of paths)."""
+        files = self.footers.get(name, {})
+        return {c for p in (files if paths is None else paths) if p in files for c in files[p].schema.names}
+
+    def read(self, path: Path, partitions: bool = True) -> pa.Table | None:
+        """One file's rows, or None when its pages cannot be read (then left out and reported)."""
+        name = path.relative_to(self.root).parts[0]
+        try:
+            t = pq.read_table(path)
+        except Exception as e:  # noqa: BLE001
+            skip = Skipped(name, path, f"corrupt ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")
+            self.skipped.append(skip)
+            self.footers.get(name, {}).pop(path, None)
+            self._report([skip])
+            return None
+        if partitions:
+            for k, v in partition_values(path.relative_to(self.root)).items():
                 t = t.append_column(k, pa.array([v] * t.num_rows, pa.string()))
-            parts.append(t.replace_schema_metadata(None))
+        return t.replace_schema_metadata(None)
+
+    def why(self, path: Path) -> str | None:
+        """Why path was left out (None: it was not)."""
+        return next((s.why for s in reversed(self.skipped) if s.path == path), None)
+
+    def table(self, name: str, run: str | None = None, host: str | None = None,
+              paths: list[Path] | None = None, partitions: bool = True) -> pa.Table:
+        """All readable rows of one table (of a run, a host, or the files in paths), with the
+        partition columns host and date unless partitions is False."""
+        parts = [t for p in (self.files(name, run, host) if paths is None else paths)
+                 if (t := self.read(p, partitions)) is not None]
         if not parts:
-            want = schema.RUNS if name == "runs" else schema.TABLES.get(name)
-            if want is None:
-                return pa.table({})
-            return pa.table({f.name: pa.array([], f.type) for f in want})
-        return pa.concat_tables(parts, promote_options="default")
+            return empty(name)
+        try:
+            return pa.concat_tables(parts, promote_options="default")
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+            raise DatasetError(f"the files of {self.root / name} do not join into one table: "
+                               f"{str(e).splitlines()[0][:200]}") from None
 
     def runs(self) -> list[dict]:
+        """The runs table's rows (host and date included), JSON columns decoded."""
         rows = self.table("runs").to_pylist()
         for r in rows:
             for key in ("probes_skipped", "events", "lost_events", "sampling", "kernel_skips"):
                 if isinstance(r.get(key), str):
-                    r[key] = json.loads(r[key])
+                    try:
+                        r[key] = json.loads(r[key])
+                    except ValueError:
+                        pass
         return rows
+
+
+def empty(name: str) -> pa.Table:
+    """No rows, with the table's documented columns where it has a schema here."""
+    want = schema.RUNS if name == "runs" else schema.TABLES.get(name)
+    if want is None:
+        return pa.table({})
+    return pa.table({f.name: pa.array([], f.type) for f in want})

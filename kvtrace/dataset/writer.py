@@ -11,6 +11,7 @@ import datetime as dt
 import errno
 import json
 import os
+import stat
 from pathlib import Path
 
 import pyarrow as pa
@@ -21,6 +22,19 @@ from kvtrace.dataset import schema
 from kvtrace.errors import OutputError
 
 FILE_MODE = 0o600
+
+
+def private_open(path, mode: str = "wb"):
+    """Open ``path`` for writing, emptied, with the dataset's mode (0600: what kvtrace writes can
+    hold what the traced processes read and wrote); an existing regular file gets that mode too.
+    A device or pipe (/dev/null, a fifo) keeps its mode: root must not chmod /dev/null."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.fchmod(fd, FILE_MODE)
+    except OSError:
+        pass  # a file we may write but not chmod keeps its mode
+    return os.fdopen(fd, mode)
 # A part lives from one flush to the stop's compaction, so it is written the cheap way: LZ4 and
 # no dictionaries cost about 35% less CPU than zstd on a flush's small tables (docs/performance.md).
 # Compacted tables and the runs table are written with zstd.
@@ -28,8 +42,10 @@ PART = {"compression": "lz4", "use_dictionary": False}
 FINAL = {"compression": "zstd"}
 
 
-def _write(table: pa.Table, path: Path, meta: dict, options: dict = FINAL) -> None:
-    """Write table to path atomically (hidden temp file, then rename), mode 0600."""
+def _write(table: pa.Table, path: Path, meta: dict, options: dict = FINAL,
+           on_full: str = "capture stopped writing; files already written stay readable") -> None:
+    """Write table to path atomically (hidden temp file, then rename), mode 0600; on_full: what a
+    full disk means for the writer (the disk-full message after the path)."""
     kv = dict(table.schema.metadata or {})
     kv[schema.META_KEY] = json.dumps(meta).encode()
     table = table.replace_schema_metadata(kv)
@@ -46,7 +62,7 @@ def _write(table: pa.Table, path: Path, meta: dict, options: dict = FINAL) -> No
         except OSError:
             pass
         if e.errno == errno.ENOSPC:
-            raise OutputError(f"output disk full writing {path}: capture stopped writing; files already written stay readable") from None
+            raise OutputError(f"output disk full writing {path}: {on_full}") from None
         raise OutputError(f"cannot write {path}: {e.strerror}") from None
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import collections
 import http.client
+import ipaddress
+import re
 import threading
 import time
 import urllib.parse
@@ -62,20 +64,46 @@ class SendError(Exception):
         self.retryable = retryable
 
 
+_HOST = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9._-]*[A-Za-z0-9_])?")
+_EXAMPLE = "give e.g. http://localhost:4317 (gRPC) or http://localhost:4318 (HTTP)"
+
+
+def _split_url(url: str) -> tuple[urllib.parse.SplitResult, int | None]:
+    """The URL's parts and its port (None when it names none); UsageError when it is no
+    http(s)://host[:port] URL.  Nothing is looked up: a bad URL fails here, not at the first send."""
+    raw = url.strip()
+    try:
+        u = urllib.parse.urlsplit(raw)
+    except ValueError:  # a bracketed host that is no IPv6 address, an unclosed bracket
+        raise UsageError(f"--otlp {url!r} is not an http(s)://host:port URL (bad [address]): {_EXAMPLE}") from None
+    if u.scheme not in ("http", "https") or not raw.lower().startswith(u.scheme + "://") or not u.hostname:
+        raise UsageError(f"--otlp {url!r} is not an http(s)://host:port URL: {_EXAMPLE}")
+    if u.username is not None or u.password is not None:
+        raise UsageError(f"--otlp {url!r}: credentials in the URL are not sent; give http(s)://host:port")
+    host = u.hostname
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise UsageError(f"--otlp {url!r} has a bad IPv6 address {host!r}: {_EXAMPLE}") from None
+    elif not _HOST.fullmatch(host):
+        raise UsageError(f"--otlp {url!r} has a bad host name {host!r}: {_EXAMPLE}")
+    try:
+        port = u.port
+    except ValueError:
+        port = 0
+    if port == 0:
+        raise UsageError(f"--otlp {url!r} has a bad port: give a number from 1 to 65535")
+    return u, port
+
+
 def parse_endpoint(url: str, protocol: str) -> dict:
-    """What to connect to, from --otlp URL (http://host:4317 for gRPC, http://host:4318 for HTTP)."""
+    """What to connect to, from --otlp URL (http://host:4317 for gRPC, http://host:4318 for HTTP).
+    Both commands check it before anything else (`attach --otlp`, `export --otlp`)."""
     if protocol not in ("grpc", "http"):
         raise UsageError(f"--otlp-protocol must be grpc or http, not {protocol!r}")
-    raw = url.strip()
-    if "://" not in raw:
-        raw = "http://" + raw
-    u = urllib.parse.urlsplit(raw)
-    if u.scheme not in ("http", "https") or not u.hostname:
-        raise UsageError(f"--otlp {url!r} is not an http(s)://host:port URL")
-    try:
-        port = u.port or (4317 if protocol == "grpc" else (443 if u.scheme == "https" else 4318))
-    except ValueError:
-        raise UsageError(f"--otlp {url!r} has a bad port") from None
+    u, port = _split_url(url)
+    port = port or (4317 if protocol == "grpc" else (443 if u.scheme == "https" else 4318))
     host = f"[{u.hostname}]" if ":" in u.hostname else u.hostname
     if protocol == "grpc":
         return {"protocol": "grpc", "target": f"{host}:{port}", "secure": u.scheme == "https"}

@@ -52,7 +52,15 @@ def chunk_spans(res, trace_of, offset: int) -> list[Span]:
     """Spans of the chunks finalised in one correlation pass, with their transfers and kernel I/O.
 
     trace_of(request) -> (trace id, parent span id, joined, tracestate)."""
-    out: list[Span] = []
+    out = _prefill_spans(res, trace_of, offset)
+    spans_of_transfer = _transfer_spans(res, trace_of, offset, out)
+    out.extend(_io_spans(res, spans_of_transfer, offset))
+    out.extend(_nvme_spans(res, trace_of, offset))
+    return out
+
+
+def _chunk_events(res, offset: int) -> dict[tuple, list]:
+    """(request, attempt, step) -> the evict and preempt events of that chunk."""
     ev_by_chunk: dict[tuple, list] = {}
     for e in res.evicts:
         if e["chunk"] is not None:
@@ -67,6 +75,12 @@ def chunk_spans(res, trace_of, offset: int) -> list[Span]:
                 (p["t_ns"] + offset, "kvtrace.preempt", (("kvtrace.preempt.victim", p["request"]),
                                                         ("kvtrace.preempt.computed_tokens", p["computed_before"]),
                                                         ("kvtrace.preempt.num_tokens", p["num_tokens"]))))
+    return ev_by_chunk
+
+
+def _prefill_spans(res, trace_of, offset: int) -> list[Span]:
+    out: list[Span] = []
+    ev_by_chunk = _chunk_events(res, offset)
     ch = res.chunks
     if ch.num_rows:
         cols = {k: ch[k].to_pylist() for k in ch.column_names}
@@ -80,6 +94,11 @@ def chunk_spans(res, trace_of, offset: int) -> list[Span]:
                 "kvtrace.prefill_chunk", cols["t_start_ns"][i] + offset, cols["t_end_ns"][i] + offset, (
                     ("kvtrace.request.id", r), ("gen_ai.request.id", ids.external_id(r)),
                     *((key, cols[c][i]) for key, c, _ in CHUNK_ATTRS)), evs, state, dropped))
+    return out
+
+
+def _transfer_spans(res, trace_of, offset: int, out: list[Span]) -> dict[int, tuple[bytes, bytes, str]]:
+    """Appends the kv_load/kv_store spans to ``out``; transfer index -> (trace, span id, tracestate)."""
     spans_of_transfer: dict[int, tuple[bytes, bytes, str]] = {}
     for k, t in enumerate(res.transfers):
         r = t["request"]
@@ -98,6 +117,12 @@ def chunk_spans(res, trace_of, offset: int) -> list[Span]:
             ("kvtrace.transfer.wait_ns", t["wait_ns"]), ("kvtrace.attribution.how", t["how"]),
             ("process.pid", t["pid"]), ("thread.id", t["tid"]),
         ), (), state))
+    return spans_of_transfer
+
+
+def _io_spans(res, spans_of_transfer: dict, offset: int) -> list[Span]:
+    """The kernel I/O of each named transfer's thread, under the transfer's span."""
+    out: list[Span] = []
     for g in res.io_groups:
         tr = spans_of_transfer.get(g["transfer"])
         if tr is None:
@@ -119,6 +144,12 @@ def chunk_spans(res, trace_of, offset: int) -> list[Span]:
             attrs = [a for a in attrs if a[0] != "disk.io.direction"] + nvme_attrs(g)
         out.append(Span(trace, ids.io_span(parent, *key), parent, f"kvtrace.{g['kind']}", g["start_ns"] + offset,
                         g["end_ns"] + offset, tuple(attrs), (), state, 0, g["errors"] > 0))
+    return out
+
+
+def _nvme_spans(res, trace_of, offset: int) -> list[Span]:
+    """The NVMe commands overlapping each chunk's step, one span per group under every chunk of it."""
+    out: list[Span] = []
     for g in getattr(res, "nvme_groups", ()):
         key = ("nvme", g["ctrl"], g["qid"], g["opclass"], g["step"])
         attrs = (("kvtrace.io.count", g["count"]), ("kvtrace.io.bytes", g["bytes"]),

@@ -31,6 +31,10 @@ The store path never raises into vLLM (errors are counted).  A block that cannot
 vLLM recomputes from that block (the connector sets ``kv_load_failure_policy`` to
 ``recompute``); stores of that request in the same step are skipped, since its forward ran
 on an incomplete prefix.
+
+This is one module, a little over the tree's 500-line guide, on purpose.  vLLM imports it by
+``kv_connector_module_path`` into its own interpreter.  There, only kvtrace.hook may be imported
+from kvtrace (tests/unit/test_packaging.py checks this).
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ def podman_ready():
 @pytest.fixture(scope="session")
 def agent_image(podman_ready, built_dist):
     t0 = time.monotonic()
-    image = podman.build_agent_image(built_dist[0])
+    image = podman.build_image("--wheel", str(built_dist[0]))
     print(f"agent image {image} built in {time.monotonic() - t0:.0f} s")
     return image
 
@@ -37,10 +37,9 @@ def agent_image(podman_ready, built_dist):
 @pytest.fixture(scope="session")
 def vllm_container(podman_ready):
     """vLLM in its own mount, PID, network and UTS namespaces, KV events bound on its loopback."""
-    subprocess.run([str(podman.REPO / "deploy/container/build-image"), "--base-only"], check=True,
-                   capture_output=True, env=podman.ENV, timeout=900)
+    base = podman.build_image("--base-only")
     workdir = Path(tempfile.mkdtemp(prefix="kvtrace-ctr-", dir="/var/tmp"))
-    ctr = podman.VllmContainer(vllm_python(), [*SERVER_ARGS, *podman.kv_events_args(KV_PORT)], workdir)
+    ctr = podman.VllmContainer(base, vllm_python(), [*SERVER_ARGS, *podman.kv_events_args(KV_PORT)], workdir)
     t0 = time.monotonic()
     try:
         ctr.start()

@@ -23,7 +23,6 @@ from kvtrace.vllm.server import write_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 CONF = Path(__file__).with_name("containers.conf")   # runc, cgroupfs, no ulimits: this VM's needs
-BASE_IMAGE = "localhost/kvtrace-base:bookworm"
 ENV = {**os.environ, "CONTAINERS_CONF": str(CONF)}
 
 
@@ -43,9 +42,9 @@ def podman(*args: str, timeout: float = 600, check: bool = True) -> subprocess.C
     return r
 
 
-def build_agent_image(wheel: Path) -> str:
-    """The agent image from the Dockerfile, on a base made here; its name."""
-    r = subprocess.run([str(REPO / "deploy/container/build-image"), "--wheel", str(wheel)],
+def build_image(*args: str) -> str:
+    """deploy/container/build-image with these arguments: the image's name."""
+    r = subprocess.run([str(REPO / "deploy/container/build-image"), *args],
                        capture_output=True, text=True, timeout=1200, env=ENV)
     if r.returncode:
         raise RuntimeError(f"build-image exited {r.returncode}: {r.stderr.strip()[-1500:]}")
@@ -65,8 +64,9 @@ def venv_mounts(python: str) -> list[str]:
 class VllmContainer:
     """``podman run`` of a vLLM OpenAI server on port ``port`` of its own loopback."""
 
-    def __init__(self, python: str, args: list[str], workdir: Path, port: int = 8000, name: str | None = None):
-        self.python, self.args, self.workdir, self.port = python, args, workdir, port
+    def __init__(self, image: str, python: str, args: list[str], workdir: Path, port: int = 8000,
+                 name: str | None = None):
+        self.image, self.python, self.args, self.workdir, self.port = image, python, args, workdir, port
         self.name = name or f"kvtrace-vllm-{uuid.uuid4().hex[:8]}"
         self.model = "/models/tiny-llama"
         self.pid = 0
@@ -87,7 +87,7 @@ class VllmContainer:
         podman("run", "--detach", "--name", self.name, "--network=none", "--hostname", "vllm-in-container",
                "--shm-size=1g", *venv_mounts(self.python), f"--volume={model}:{self.model}:ro",
                "--env=VLLM_PLUGINS=", "--env=VLLM_SERVER_DEV_MODE=1", "--env=VLLM_CPU_KVCACHE_SPACE=1",
-               BASE_IMAGE, *cmd)
+               self.image, *cmd)
         self.pid = int(podman("inspect", "--format", "{{.State.Pid}}", self.name).stdout.strip())
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -1,6 +1,6 @@
 """The agent itself in a container (the image built from deploy/container/Dockerfile with the
 wheel under test), as the DaemonSet runs it: the host's PID namespace, a network namespace of
-its own, only the capabilities kvtrace declares, tracefs, bpffs and the host's kernel headers
+its own, only the capabilities kvtrace declares, tracefs and the host's kernel headers
 mounted; attached to the vLLM server in its other container, with the same exact checks."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tests.vllm_checks import check_evictions, check_requests, removed_hashes
 
 pytestmark = pytest.mark.root
 
-MOUNTS = ["/sys/kernel/tracing", "/sys/fs/bpf", "/lib/modules:ro", "/usr/src:ro"]
+MOUNTS = ["/sys/kernel/tracing:ro", "/lib/modules:ro", "/usr/src:ro"]   # as the DaemonSet mounts them
 
 
 def agent_command(image: str, out, name: str) -> list[str]:

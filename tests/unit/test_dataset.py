@@ -106,10 +106,29 @@ def test_other_schema_version_is_refused_by_name(tmp_path):
         Dataset.open(tmp_path)
 
 
+def test_a_table_file_of_another_or_no_schema_version_is_refused_by_name(tmp_path):
+    w = DatasetWriter(tmp_path, "r1", "h")
+    w.add("file_io", rows(3))
+    w.flush(run_row())
+    (part,) = (tmp_path / "file_io").rglob("*.parquet")
+    t = pq.read_table(part)
+    pq.write_table(t.replace_schema_metadata(None), part)
+    with pytest.raises(DatasetError, match=f"^{part} has no kvtrace schema version"):
+        Dataset.open(tmp_path)
+    meta = {"schema_version": 99, "kvtrace_version": "t", "run": "r1", "table": "file_io"}
+    pq.write_table(t.replace_schema_metadata({schema.META_KEY: json.dumps(meta).encode()}), part)
+    with pytest.raises(DatasetError, match=f"^{part} has schema version 99; this kvtrace reads version 1 "
+                                           r"\(the dataset mixes versions"):
+        Dataset.open(tmp_path)
+
+
 def test_missing_and_empty_directories(tmp_path):
     with pytest.raises(DatasetError, match="no dataset"):
         Dataset.open(tmp_path / "nope")
-    with pytest.raises(DatasetError, match="no kvtrace tables"):
+    with pytest.raises(DatasetError, match="is an empty dataset: no kvtrace tables"):
+        Dataset.open(tmp_path)
+    (tmp_path / "file_io" / "host=h").mkdir(parents=True)
+    with pytest.raises(DatasetError, match="is an empty dataset"):
         Dataset.open(tmp_path)
 
 

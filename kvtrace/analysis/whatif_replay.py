@@ -1,0 +1,228 @@
+"""The replay's scheduler (kvtrace/analysis/whatif.py has the model it follows): admission from
+the waiting queue, prefill chunks and decodes within the chunk budget, preemption, the step
+clock; over the block pool of kvtrace/analysis/whatif_cache.py."""
+from __future__ import annotations
+
+import functools
+import heapq
+import operator
+from collections import deque
+from itertools import islice, takewhile
+
+from kvtrace.analysis.whatif_cache import BlockPool, _ints
+from kvtrace.analysis.whatif_workload import Req, Workload
+from kvtrace.errors import UsageError
+
+_not_none = functools.partial(operator.is_not, None)
+
+
+class Replay(BlockPool):
+    def __init__(self, wl: Workload, chunk: int, block: int, cache_blocks: int, tier: str = "none", max_num_seqs: int = 256):
+        if block % wl.block_size:
+            raise UsageError(f"--block-size {block}: must be a multiple of the recorded block size {wl.block_size} "
+                             "(prompts are known only as hashes of recorded-size blocks)")
+        super().__init__(block, cache_blocks, tier)
+        self.wl, self.C = wl, chunk
+        self.m = block // wl.block_size
+        self.max_seqs = max_num_seqs
+
+    def _admit(self, r: Req, budget: int, busy: bool) -> int:
+        """Try to admit r; the tokens scheduled, or 0 when it does not fit."""
+        B = self.B
+        cap = (r.num_tokens - 1) // B
+        keys = r.keys
+        lim = min(cap, len(keys))
+        # the longest cached prefix: one lookup per block until the first miss (C iterators, no
+        # Python step per block), giving the block each hit takes
+        hit_blocks = list(takewhile(_not_none, map(self.head.get, islice(keys, lim))))
+        hit = len(hit_blocks)
+        self.stats["lookups"] += hit + (1 if hit < lim else 0)
+        ext = 0
+        if self.tier.on:
+            ext = len(list(takewhile(self.tier.keys.__contains__, islice(keys, hit, lim))))
+        computed = (hit + ext) * B
+        n = min(r.num_tokens - computed, budget)
+        if not self._take_hits(r, hit_blocks):
+            return 0
+        r.blocks = hit_blocks
+        self._alloc(r, -(-(computed + n) // B))
+        if r.attempt == 0 and not r.admitted:
+            s = self.stats
+            s["requests"] += 1
+            s["prompt_tokens"] += r.prompt_len
+            s["hit_local"] += hit * B
+            s["hit_external"] += ext * B
+        else:
+            self.stats["readmit_hits"] += (hit + ext) * B
+        r.admitted = True
+        self.stats["storage_loads"] += ext
+        if ext:
+            deque(map(self.tier.keys.move_to_end, keys[hit:hit + ext]), 0)
+        r.computed = computed
+        r.hashed = hit  # hit blocks carry their hash already
+        self._hash_full(r, computed + n, loaded_upto=hit + ext)
+        return n
+
+    def _take_hits(self, r: Req, hit_blocks: list) -> bool:
+        """When r's whole sequence fits (vLLM's scheduler_reserve_full_isl), take its hit blocks
+        (out of the free queue when idle) and say True; else change nothing and say False."""
+        ref, free, hit = self.ref, self.free, len(hit_blocks)
+        if r.distinct:
+            hb = _ints(hit_blocks)
+            idle = ref[hb] == 0
+            evictable = int(idle.sum())
+            if -(-r.num_tokens // self.B) - hit + evictable > len(free):
+                return False
+            if evictable:
+                free.remove(hb[idle])
+            ref[hb] += 1
+            return True
+        evictable = sum(1 for b in hit_blocks if not ref[b])
+        if -(-r.num_tokens // self.B) - hit + evictable > len(free):
+            return False
+        for b in hit_blocks:
+            if not ref[b]:
+                free.remove([b])
+            ref[b] += 1
+        return True
+
+    def _start(self) -> tuple[list, list, dict]:
+        """Fresh replay state per request; the heap of (arrival, index) of the open-loop ones; and
+        index -> the closed-loop requests its finish sends."""
+        wl, B, m = self.wl, self.B, self.m
+        reqs = [Req(r.rid, r.arrival, r.prompt_len, r.output, r.chain, r.after, r.gap) for r in wl.reqs]
+        distinct = wl.distinct()  # a chain without a repeated hash has none in any slice
+        for r in reqs:
+            r.keys = r.chain[m - 1::m][: r.prompt_len // B]
+            r.distinct = distinct[id(r.chain)]
+            r.num_tokens = r.prompt_len
+        pending = sorted((r.arrival, i) for i, r in enumerate(reqs) if r.after < 0)
+        heapq.heapify(pending)
+        triggered: dict[int, list[int]] = {}
+        for i, r in enumerate(reqs):
+            if r.after >= 0:
+                triggered.setdefault(r.after, []).append(i)
+        return reqs, pending, triggered
+
+    def run(self) -> dict:
+        reqs, pending, triggered = self._start()
+        waiting: deque = deque()
+        running: list = []
+        now = pending[0][0] if pending else 0
+        done = 0
+        t_start = now
+        while done < len(reqs):
+            while pending and pending[0][0] <= now:
+                _, i = heapq.heappop(pending)
+                reqs[i].arrived_ns = reqs[i].arrival
+                waiting.append(reqs[i])
+            if not waiting and not running:
+                if not pending:
+                    break  # a closed-loop request whose trigger never finished
+                now = pending[0][0]
+                continue
+            sched, budget, preempted = self._schedule_running(running, waiting)
+            if not preempted:
+                self._admit_waiting(waiting, running, sched, budget)
+            if not sched:
+                # nothing fits (a request larger than the cache): drop it, as vLLM would reject it
+                if waiting and not running:
+                    r = waiting.popleft()
+                    r.done_ns = now
+                    done += 1
+                    self.stats["unservable"] = self.stats.get("unservable", 0) + 1
+                    continue
+                now = pending[0][0] if pending else now + 1_000_000
+                continue
+            now = self._step(sched, now)
+            done += self._finish(sched, running, reqs, triggered, pending, now)
+        return self._summary(reqs, now - t_start)
+
+    def _schedule_running(self, running: list, waiting: deque) -> tuple[list, int, bool]:
+        """Running requests first, each its next chunk or token within the budget; an allocation
+        that fails preempts the last running request.  (scheduled, budget left, preempted)"""
+        B = self.B
+        budget = self.C
+        sched: list = []
+        preempted = False
+        i = 0
+        while i < len(running) and budget > 0:
+            r = running[i]
+            n = min(r.num_tokens - r.computed, budget)
+            need = -(-(r.computed + n) // B)
+            while need - len(r.blocks) > len(self.free):
+                victim = running.pop()
+                self._preempt(victim, waiting)
+                preempted = True
+                if victim is r:
+                    return sched, budget, preempted
+            self._alloc(r, need)
+            self._hash_full(r, r.computed + n)
+            sched.append((r, n))
+            budget -= n
+            i += 1
+        return sched, budget, preempted
+
+    def _admit_waiting(self, waiting: deque, running: list, sched: list, budget: int) -> None:
+        """Admit from the waiting queue (FCFS) while the budget and max_num_seqs allow and the head fits."""
+        while budget > 0 and waiting and len(running) < self.max_seqs:
+            r = waiting[0]
+            n = self._admit(r, budget, bool(running))
+            if not n:
+                break
+            waiting.popleft()
+            running.append(r)
+            sched.append((r, n))
+            budget -= n
+
+    def _step(self, sched: list, now: int) -> int:
+        """The step's end: a + b·prefill tokens + c·decode requests after now."""
+        a, b, c = self.wl.model
+        kinds = [r.generated == 0 or r.num_tokens - r.computed > 1 for r, _ in sched]
+        prefill = sum(n for (r, n), pf in zip(sched, kinds) if pf)
+        decode = len(sched) - sum(kinds)
+        self.stats["steps"] += 1
+        self.stats["prefill_tokens"] += prefill
+        return now + int(a + b * prefill + c * decode)
+
+    def _finish(self, sched: list, running: list, reqs: list, triggered: dict, pending: list, now: int) -> int:
+        """Account the step's tokens; free the requests it finished and send the closed-loop
+        requests waiting for them.  How many finished."""
+        finished = []
+        for r, n in sched:
+            r.computed += n
+            if r.computed >= r.num_tokens:
+                r.generated += 1
+                if r.generated == 1 and not r.first_token_ns:
+                    r.first_token_ns = now
+                if r.generated >= r.output:
+                    finished.append(r)
+                else:
+                    r.num_tokens += 1
+        for r in finished:
+            running.remove(r)
+            self._free(r)
+            r.done_ns = now
+            for j in triggered.get(self._index(reqs, r), []):
+                heapq.heappush(pending, (now + reqs[j].gap, j))
+        return len(finished)
+
+    def _summary(self, reqs: list, replayed_ns: int) -> dict:
+        s = dict(self.stats)
+        s["hit_rate"] = (s["hit_local"] + s["hit_external"]) / s["prompt_tokens"] if s["prompt_tokens"] else None
+        s["replayed_ns"] = replayed_ns
+        ttft = sorted(r.first_token_ns - r.arrived_ns for r in reqs if r.first_token_ns)
+        s["ttft_p50_ns"] = ttft[(len(ttft) + 1) // 2 - 1] if ttft else None
+        return s
+
+    def _index(self, reqs, r) -> int:
+        if not hasattr(self, "_idx"):
+            self._idx = {id(x): i for i, x in enumerate(reqs)}
+        return self._idx[id(r)]
+
+    def _preempt(self, r: Req, waiting: deque) -> None:
+        self._free(r)
+        r.computed = 0
+        r.attempt += 1
+        self.stats["preemptions"] += 1
+        waiting.appendleft(r)

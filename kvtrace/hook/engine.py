@@ -1,0 +1,368 @@
+"""The hook's EngineCore wrappers: scheduler steps, prefill chunks, admissions, preemptions and
+evictions, as records on the shared queue (kvtrace.hook.state).
+
+  Scheduler.schedule / update_from_output   step span, chunk and admit records, flush (batched)
+  Scheduler._preempt_request                 preempt
+  KVCacheManager.allocate_slots              hit sizes at admission; which request allocates
+  BlockPool._maybe_evict_cached_block        evicts (a batch per allocation, one hash per BlockRemoved)
+
+What is patched with what (classes, methods, signatures, wrapper factories) is in
+kvtrace.hook.targets; this module holds the wrappers' work.  Every name a wrapper reads is a
+global of this module (imported from kvtrace.hook.state once), so a step pays the same lookups
+as when the hook was one module.
+"""
+from __future__ import annotations
+
+import time
+
+from . import state
+from .state import (EVICTS_MAX, FLUSH_EVERY_NS, FLUSH_RECORDS, MAX_TRACKED, _enqueue, _flush, _hook_start,
+                    _leave_if_owner_gone, _monotonic_ns, _new_agent, _refresh)
+
+# The state's objects are bound here by assignment, not by `from .state import`: CPython 3.11+
+# compiles `W.begin(now)` on an imported name as an attribute load that makes a bound method per
+# call (it takes an imported name for a module), on an assigned name as a method call, as when
+# the hook was one module.
+S, T, _Q, _LOCK, _REGISTRY, _last, log = state.S, state.T, state._Q, state._LOCK, state._REGISTRY, state._last, state.log
+
+
+# ---------------------------------------------------------------------------------------------
+# Hashes: the 64-bit int vLLM publishes in KV events (maybe_convert_block_hash(get_block_hash(k)))
+
+
+def _hash64(key: bytes) -> int:
+    """BlockHashWithGroupId (hash bytes + 4-byte big-endian group) -> the KV-event int:
+    ``int.from_bytes(key[:-4], "big") & M64``, i.e. the hash part's last 8 bytes."""
+    return int.from_bytes(key[-12:-4], "big")
+
+
+def _group(key: bytes) -> int:
+    return int.from_bytes(key[-4:], "big")
+
+
+# ---------------------------------------------------------------------------------------------
+# EngineCore wrappers
+
+
+# The per-call wrappers (about ten calls a step): in vLLM's classes only while an agent is
+# attached; detached, vLLM runs its own methods and a step pays for the schedule wrapper alone.
+HOT = ("allocate_slots", "_maybe_evict_cached_block")
+_HOT_IN = [True]   # as installed
+
+
+def _hot(on: bool) -> None:
+    """Put the per-call wrappers in (on) or take them out, where the class still holds what
+    this module left there (another copy's or someone else's patch is not touched)."""
+    for (cls, attr), (had_own, original, wrapper) in list(_REGISTRY.items()):
+        if attr not in HOT:
+            continue
+        cur = cls.__dict__.get(attr)
+        if on and cur is not wrapper and ((cur is original) if had_own else attr not in cls.__dict__):
+            setattr(cls, attr, wrapper)
+        elif not on and cur is wrapper:
+            if had_own:
+                setattr(cls, attr, original)
+            else:
+                delattr(cls, attr)
+    _HOT_IN[0] = on
+
+
+def _engine_on(sched) -> None:
+    _hot(True)
+    S.reset()
+    S.on = S.rec = True
+    for attr in ("requests", "current_step", "running", "waiting", "kv_cache_manager"):
+        if not hasattr(sched, attr):
+            S.broken = f"Scheduler has no attribute {attr!r}"
+    pool = getattr(getattr(sched, "kv_cache_manager", None), "block_pool", None)
+    if not S.broken and not hasattr(pool, "cached_block_hashes_by_block"):
+        S.broken = "KVCacheManager.block_pool has no cached_block_hashes_by_block"
+    if S.broken:
+        S.rec = False
+        log.warning("kvtrace hook: records off in this process: %s", S.broken)
+    _new_agent(S)
+    _hook_start("engine")
+
+
+def _engine_off() -> None:
+    S.reset()
+    with _LOCK:
+        _Q.clear()
+    _leave_if_owner_gone()
+
+
+def _schedule_pre(self):
+    """Scheduler.schedule: its start time when this step is recorded, else None."""
+    try:
+        # the flag is re-read at most once per second; otherwise one clock read and two tests
+        t0 = _monotonic_ns()
+        if not (_refresh() if t0 >= T.next_check else T.enabled):
+            if S.on:
+                _engine_off()
+            if _HOT_IN[0]:
+                _hot(False)
+            return None
+        if not S.on:
+            _engine_on(self)
+            t0 = _monotonic_ns()
+        elif T.next_check != S.seen_check and _new_agent(S):
+            _hook_start("engine")
+            t0 = _monotonic_ns()
+        if S.broken:
+            return None
+        S.step = self.current_step + 1
+        S.cur_req = S.last_alloc = ""
+        S.evicted = S.alloc_failures = 0
+        return t0
+    except Exception as e:
+        T.error(e)
+        return None
+
+
+def _schedule_post(self, t0: int, out) -> None:
+    S.last_alloc = ""
+    try:
+        if S.ev is not None:
+            _evicts_out()
+        _after_schedule(self, out, t0, _monotonic_ns())
+    except Exception as e:
+        T.error(e)
+
+
+_DECODING = [-1, -1, 0]  # S.reqs' entry of a request past its prefill (until preempted or finished)
+
+
+def _after_schedule(sched, so, t0: int, t1: int) -> None:
+    step = S.step = sched.current_step
+    requests = sched.requests
+    new_ids = {r.req_id for r in so.scheduled_new_reqs} if so.scheduled_new_reqs else ()
+    resumed_ids = so.scheduled_cached_reqs.resumed_req_ids
+    tracked, alloc = S.reqs, S.alloc
+    prefill_reqs = prefill_tokens = n_new = n_resumed = 0
+    for rid, n in so.num_scheduled_tokens.items():
+        st = tracked.get(rid)
+        if st is _DECODING and rid not in resumed_ids:
+            continue    # most of a step: requests past their prefill
+        req = requests.get(rid)
+        if req is None:
+            continue
+        end = req.num_computed_tokens
+        start = end - n
+        if rid in new_ids or rid in resumed_ids:
+            attempt = min(req.num_preemptions, 0xFFFF)
+            resumed = 1 if (rid in resumed_ids or attempt > 0) else 0
+            n_resumed += resumed
+            n_new += 1 - resumed
+            prefill_len = req.num_tokens
+            info = alloc.pop(rid, None) or (start, 0, 0, 0)
+            _enqueue(("admit", step, rid, attempt, req.num_prompt_tokens, prefill_len,
+                      info[0], info[1], start, info[2], info[3], resumed))
+            if rid in new_ids and attempt == 0:
+                _arrive(step, rid, req, t1)
+                _prompt_blocks(sched, step, rid, req)
+            st = tracked[rid] = [0, prefill_len, attempt]
+        elif st is None:  # attached after this request's first chunk
+            if len(tracked) >= MAX_TRACKED:
+                tracked.clear()
+            st = tracked[rid] = [-1, req.num_prompt_tokens, min(req.num_preemptions, 0xFFFF)]
+        prefill_len = st[1]
+        if start < prefill_len:
+            idx = st[0]
+            if idx >= 0:
+                st[0] = idx + 1
+            _enqueue(("chunk", step, rid, st[2], idx, start, n, req.num_prompt_tokens, prefill_len,
+                      1 if end >= prefill_len else 0, 1 if st[2] > 0 else 0))
+            prefill_reqs += 1
+            prefill_tokens += n
+        if end >= prefill_len:
+            tracked[rid] = _DECODING
+    for rid in so.finished_req_ids:
+        _enqueue(("finish", step, t0, rid))
+        tracked.pop(rid, None)
+        alloc.pop(rid, None)
+    if len(alloc) >= MAX_TRACKED:
+        alloc.clear()
+    num_reqs = len(so.num_scheduled_tokens)
+    total = so.total_num_scheduled_tokens
+    try:
+        free_blocks = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    except Exception:
+        free_blocks = 0
+    if len(S.steps) >= 16:  # update_from_output never came for old steps
+        S.steps.clear()
+    # the step record, its end time (index 4) set by update_from_output
+    S.steps[id(so)] = ["step", step, t0, t1, 0, num_reqs, total, prefill_reqs, prefill_tokens,
+                       num_reqs - prefill_reqs, total - prefill_tokens, n_new, n_resumed,
+                       len(so.preempted_req_ids), S.evicted, S.alloc_failures, len(sched.running),
+                       len(sched.waiting), free_blocks, len(so.finished_req_ids)]
+
+
+def _arrive(step: int, rid: str, req, now: int) -> None:
+    """arrive record: arrival on CLOCK_MONOTONIC, and the request's W3C trace context if any."""
+    wall = getattr(req, "arrival_time", None)
+    t = now - max(int((time.time() - wall) * 1e9), 0) if wall else 0
+    headers = getattr(req, "trace_headers", None) or {}
+    _enqueue(("arrive", step, t, rid, str(headers.get("traceparent", "") or "")[:128],
+              str(headers.get("tracestate", "") or "")[:512]))
+
+
+PROMPT_PIECE = 448  # hashes per prompt_blocks record (3,584 bytes: one record fits a frame)
+
+
+def _prompt_blocks(sched, step: int, rid: str, req) -> None:
+    """prompt_blocks records: the prompt's block-hash chain (64-bit KV-event form), never token ids."""
+    try:
+        bs = int(getattr(sched, "hash_block_size", 0) or sched.block_size)
+        n_prompt = req.num_prompt_tokens
+        from_bytes = int.from_bytes   # & M64 of the big-endian int: its last 8 bytes
+        hashes = [from_bytes(h[-8:], "big") for h in req.block_hashes[:n_prompt // bs]]
+        max_out = min(int(getattr(req, "max_tokens", 0) or 0), 0xFFFFFFFF)
+        for first in range(0, max(len(hashes), 1), PROMPT_PIECE):
+            _enqueue(("prompt_blocks", step, rid, bs, n_prompt, max_out, len(hashes), first,
+                      hashes[first:first + PROMPT_PIECE]))
+    except Exception as e:
+        T.error(e)
+
+
+_NO_STEP = ()   # update_from_output of a step not recorded, with records waiting to be sent
+
+
+def _update_pre(self, scheduler_output):
+    """Scheduler.update_from_output: the step's summary from schedule(), if any."""
+    info = S.steps.pop(id(scheduler_output), None) if S.steps else None
+    if info is None:
+        return _NO_STEP if (_Q or S.ev is not None) else None
+    return info
+
+
+def _update_post(self, info, out) -> None:
+    try:
+        if S.ev is not None:
+            _evicts_out()
+        now = _monotonic_ns()
+        if info:
+            info[4] = now
+            _enqueue(info)
+        # (a request still running: not idle, without asking vLLM's three nested calls)
+        if now - _last["flush"] >= FLUSH_EVERY_NS or len(_Q) >= FLUSH_RECORDS or (not self.running and _idle(self)):
+            _flush(now)
+    except Exception as e:
+        T.error(e)
+
+
+def _idle(sched) -> bool:
+    """True when no request is left for another step (or vLLM cannot say)."""
+    try:
+        return not sched.has_unfinished_requests()
+    except Exception:
+        return True
+
+
+def _preempt_pre(self, request):
+    """Scheduler._preempt_request: (request, its id, computed tokens, tokens) before it."""
+    if not S.rec:
+        return None
+    try:
+        return (request, request.request_id, request.num_computed_tokens, request.num_tokens)
+    except Exception as e:
+        T.error(e)
+        return None
+
+
+def _preempt_post(self, t, out) -> None:
+    request, rid, before, ntok = t
+    try:
+        S.reqs.pop(rid, None)
+        _enqueue(("preempt", S.step, _monotonic_ns(), rid, before, ntok,
+                  min(request.num_preemptions, 0xFFFF), S.last_alloc))
+    except Exception as e:
+        T.error(e)
+
+
+ALLOC_PARAMS = ("request", "num_new_computed_tokens", "new_computed_blocks", "num_external_computed_tokens")
+
+# KVCacheManager.allocate_slots, once per running request and step: the request allocating (its
+# evictions and a preemption are its doing) and, at an admission, the prefix-cache hit that
+# comes with it; a None result is an allocation failure.  Allocations do not nest in vLLM 0.32;
+# the request allocating before is restored after.  Written into the wrapper (kvtrace.hook.exact
+# inline): a pre and a post function cost more than the work.
+ALLOCATE_BODY = """\
+_kv_s = _kv_S
+if not _kv_s.rec:
+    return {call}
+_kv_prev = _kv_s.cur_req
+try:
+    _kv_s.cur_req = _kv_s.last_alloc = request.request_id
+    if new_computed_blocks is not None:
+        _kv_admission(request, num_new_computed_tokens, new_computed_blocks, num_external_computed_tokens)
+except Exception as _kv_e:
+    _kv_error(_kv_e)
+try:
+    _kv_r = {call}
+finally:
+    _kv_s.cur_req = _kv_prev
+if _kv_r is None:
+    _kv_s.alloc_failures += 1
+return _kv_r
+"""
+
+
+def _note_admission_alloc(request, local, blocks, external) -> None:
+    hit, last = 0, 0
+    groups = getattr(blocks, "blocks", None)
+    if groups:
+        g0 = groups[0]
+        hit = len(g0)
+        if hit:
+            key = g0[-1].block_hash
+            last = _hash64(key) if key is not None else 0
+    S.alloc[request.request_id] = (int(local or 0), int(external or 0), hit, last)
+
+
+# BlockPool._maybe_evict_cached_block, once per block taken from the free queue: the block's
+# hashes (block_hash and the others it holds) are read before the call, which may drop them from
+# the prefix cache; a true result means it did.
+EVICT_BODY = """\
+_kv_key = None
+if _kv_S.rec:
+    try:
+        _kv_key = block.block_hash
+        if _kv_key is not None:
+            _kv_bid = block.block_id
+            _kv_extra = self.cached_block_hashes_by_block.get(_kv_bid)
+    except Exception as _kv_e:
+        _kv_error(_kv_e)
+        _kv_key = None
+if _kv_key is None:
+    return {call}
+_kv_r = {call}
+if _kv_r:
+    try:
+        _kv_note_evict(self, _kv_bid, _kv_key, _kv_extra)
+    except Exception as _kv_e:
+        _kv_error(_kv_e)
+return _kv_r
+"""
+
+
+def _note_evict(pool, bid: int, key: bytes, extra) -> None:
+    """Add the hashes the block held to the open batch (a new one for another step, request or
+    medium, or when full): one `evicts` record per allocation instead of one per hash."""
+    medium = getattr(pool, "medium", "") or ""
+    b, step, req, from_bytes = S.ev, S.step, S.cur_req, int.from_bytes
+    if b is None or b[0] != step or b[3] != req or b[2] != medium or len(b[4]) >= 2 * EVICTS_MAX:
+        if b is not None:
+            _enqueue(("evicts", *b))
+        b = S.ev = [step, time.monotonic_ns(), medium, req, []]
+    blocks = b[4]
+    for k in (key, *extra) if extra else (key,):
+        S.evicted += 1
+        blocks.append(from_bytes(k[-12:-4], "big"))
+        blocks.append(from_bytes(k[-4:], "big") << 32 | bid)
+
+
+def _evicts_out() -> None:
+    """Queue the open `evicts` batch (the callers, at the end of schedule() and of
+    update_from_output(), test that there is one)."""
+    _enqueue(("evicts", *S.ev))
+    S.ev = None

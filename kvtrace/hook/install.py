@@ -1,0 +1,126 @@
+"""install() / uninstall() / status() and the choice of roles by process.
+
+install() makes a plan from kvtrace.hook.targets for each role, checks vLLM's version, the
+signatures and data fields the wrappers rely on, and patches only when nothing differs
+(kvtrace.hook.patch).  Never raises: a vLLM that differs is left untouched, with one warning
+naming the difference.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+from . import engine, state
+from .patch import _patch
+from .state import HOOK_VERSION, _flush, _vllm_version, record_transfer
+from .targets import PLANS, TESTED_VLLM, _live_connector, _patch_live_connector
+
+# (bound by assignment: see kvtrace.hook.engine)
+S, T, W, _REGISTRY, _STATUS, log, _HOT_IN = state.S, state.T, state.W, state._REGISTRY, state._STATUS, state.log, engine._HOT_IN
+
+
+def detect_roles() -> list[str]:
+    """Roles for this process from its multiprocessing name (vLLM titles processes later)."""
+    env = os.environ.get("KVTRACE_HOOK_ROLES")
+    if env:
+        return [r for r in env.replace(",", " ").split() if r in ("engine", "worker")]
+    name = multiprocessing.current_process().name
+    if name.startswith("EngineCore"):
+        # with the uni executor (GPU, TP=1) the worker runs inside EngineCore
+        return ["engine", "worker"]
+    if name.startswith(("VllmWorker", "Worker")):
+        return ["worker"]
+    return []
+
+
+def install(roles: list[str] | None = None, live: bool = False) -> bool:
+    """Patch vLLM for these roles ("engine", "worker"; default: by process).  Idempotent.
+
+    Returns True when something is patched.  Never raises: a vLLM whose version or method
+    signatures differ from what the hook reads leaves everything untouched and logs one
+    message saying what differs.
+    """
+    try:
+        roles = detect_roles() if roles is None else list(roles)
+        if live and "worker" in roles and _live_connector() is None:
+            # injected after start-up into a worker without a KV connector: nothing to time here
+            roles = [r for r in roles if r != "worker"]
+            if not roles:
+                _STATUS["reason"] = "no KV connector in this worker: nothing to hook"
+                return False
+        if not roles:
+            _STATUS["reason"] = f"no role in process {multiprocessing.current_process().name!r}"
+            return False
+        if _STATUS["installed"] and set(roles) <= set(_STATUS["roles"]):
+            return True
+        version = _vllm_version()
+        if not version.startswith(TESTED_VLLM) and os.environ.get("KVTRACE_HOOK_ANY_VLLM") != "1":
+            return _inert(f"vLLM {version} is not a tested version ({', '.join(v + 'x' for v in TESTED_VLLM)}); "
+                          "set KVTRACE_HOOK_ANY_VLLM=1 to patch anyway when the signatures match")
+        plan, bad = [], []
+        for role in ("engine", "worker"):
+            if role in roles:
+                p, b = PLANS[role]()
+                plan += p
+                bad += b
+        if bad:
+            return _inert("; ".join(bad))
+        for cls, attr, wrap in plan:
+            _patch(cls, attr, wrap)
+        if "worker" in roles:
+            _patch_live_connector()
+        try:
+            from kvtrace.hook import api
+
+            api._sink = record_transfer
+        except Exception:
+            pass
+        _STATUS.update(installed=True, roles=sorted(set(_STATUS["roles"]) | set(roles)), reason="")
+        log.info("kvtrace hook %s installed (%s) on vLLM %s: %d methods wrapped; records flow while a kvtrace agent is attached",
+                 HOOK_VERSION, "+".join(roles), version, len(_REGISTRY))
+        return True
+    except Exception as e:  # never break vLLM start-up
+        uninstall()
+        return _inert(f"install failed: {type(e).__name__}: {e}")
+
+
+def _inert(reason: str) -> bool:
+    _STATUS.update(installed=False, reason=reason)
+    log.warning("kvtrace hook inactive (nothing patched): %s", reason)
+    return False
+
+
+def uninstall() -> None:
+    """Restore every wrapped attribute (also those left by another copy of this module)."""
+    S.rec = False
+    for (cls, attr), (had_own, original, wrapper) in list(_REGISTRY.items()):
+        try:
+            if cls.__dict__.get(attr) is wrapper:
+                if had_own:
+                    setattr(cls, attr, original)
+                else:
+                    delattr(cls, attr)
+        except Exception as e:
+            T.error(e)
+    _REGISTRY.clear()
+    _HOT_IN[0] = True
+    try:
+        from kvtrace.hook import api
+
+        if api._sink is record_transfer:
+            api._sink = None
+    except Exception:
+        pass
+    try:
+        _flush(time.monotonic_ns())
+    except Exception:
+        pass
+    S.reset()
+    W.active = W.on = False
+    _STATUS.update(installed=False, roles=[], patched=[], reason="uninstalled")
+
+
+def status() -> dict:
+    return {**_STATUS, "patched": list(_STATUS["patched"]), "emitted": T.emitted,
+            "dropped": T.dropped, "errors": T.errors, "last_error": T.last_error}
