@@ -44,8 +44,8 @@ from vllmbench import CONCURRENCY, Agent, free_port, kvtrace_importable_env, one
 
 from kvtrace import phases  # noqa: E402
 from kvtrace.hook.vllm_hook import HOOK_VERSION  # noqa: E402
-from kvtrace.vllm import workload  # noqa: E402
-from kvtrace.vllm.server import VllmServer, vllm_python  # noqa: E402
+from kvtrace.demo import workload  # noqa: E402
+from kvtrace.demo.server import VllmServer, vllm_python  # noqa: E402
 
 SERVER_ARGS = ["--block-size", "32", "--enable-prefix-caching", "--max-num-batched-tokens", "256",
                "--num-gpu-blocks-override", "122", "--max-model-len", "2048", "--enable-prompt-tokens-details"]

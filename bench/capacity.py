@@ -29,7 +29,7 @@ PY = sys.executable
 
 def producer(path: str, seconds: float, rate: float = 0.0, direct: bool = False) -> list[str]:
     chunk = "4096" if direct else "64"
-    return [PY, "-m", "kvtrace.workloads", "pread-loop", "--path", path, "--chunk", chunk, "--seconds", str(seconds),
+    return [PY, "-m", "kvtrace.demo.io", "pread-loop", "--path", path, "--chunk", chunk, "--seconds", str(seconds),
             "--rate", str(rate)] + (["--direct"] if direct else [])
 
 
@@ -150,7 +150,7 @@ def agent_throughput(path: str, events: int) -> dict:
     from kvtrace.capture import program
     from kvtrace.capture.loader import Source
     from kvtrace.dataset.writer import DatasetWriter
-    from kvtrace.pipeline import Pipeline
+    from kvtrace.attach.pipeline import Pipeline
 
     plan = program.plan(["fileio"], ringbuf_pages=32768, trace_writes=False)  # 128 MiB
     src = Source(plan)

@@ -33,7 +33,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK, BLOCKS, BUDGET = 32, 122, 256
-KV_HEADS, HEAD_SIZE = 4, 64   # every kvtrace.vllm.server.MODELS preset's attention layers
+KV_HEADS, HEAD_SIZE = 4, 64   # every kvtrace.demo.server.MODELS preset's attention layers
 
 
 def make_scheduler_factory():
@@ -45,7 +45,7 @@ def make_scheduler_factory():
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from kvtrace.vllm.server import write_tiny_model   # the tests' and the demo's model
+    from kvtrace.demo.server import write_tiny_model   # the tests' and the demo's model
 
     tmp = tempfile.mkdtemp(prefix="kvtrace-hookstep-")
     atexit.register(shutil.rmtree, tmp, True)

@@ -48,13 +48,13 @@ import psutil
 
 from vllmbench import CONCURRENCY, PY, ROOT, Agent, free_port, kvtrace_importable_env, one_round, requests, spread  # noqa: E402
 
-from kvtrace.vllm.server import MODELS, VllmServer, demo_args, vllm_python  # noqa: E402
+from kvtrace.demo.server import MODELS, VllmServer, demo_args, vllm_python  # noqa: E402
 
 SETTLE_S = 3.0
 
 
 def start_server(work: Path, cores: set[int] | None = None, model: str = "tiny") -> VllmServer:
-    """The demo's server (with ``model``, a key of kvtrace.vllm.server.MODELS); with ``cores``,
+    """The demo's server (with ``model``, a key of kvtrace.demo.server.MODELS); with ``cores``,
     all its processes and its OpenMP threads on those cores only (this process's own affinity
     is restored once they have started)."""
     port = free_port()

@@ -1,11 +1,11 @@
 """The request stream of the vLLM benchmarks: one round of the shared-prefix workload, as
 bench/overhead.py and bench/attach.py send it to a real server and as bench/hookstep.py
 drives a real Scheduler with it (so the hook's cost per step is measured on the same steps
-it is charged for).  Standard library and kvtrace.vllm.workload only: it runs in vLLM's
+it is charged for).  Standard library and kvtrace.demo.workload only: it runs in vLLM's
 interpreter too."""
 from __future__ import annotations
 
-from kvtrace.vllm import workload
+from kvtrace.demo import workload
 
 CONCURRENCY = 4   # requests in flight
 

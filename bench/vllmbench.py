@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from kvtrace.vllm import workload  # noqa: E402
-from kvtrace.vllm.server import VllmServer  # noqa: E402
+from kvtrace.demo import workload  # noqa: E402
+from kvtrace.demo.server import VllmServer  # noqa: E402
 from stream import CONCURRENCY, requests  # noqa: E402,F401  (the benchmarks' request stream)
 
 PY = sys.executable

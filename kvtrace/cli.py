@@ -37,7 +37,7 @@ def _lean_allocator(args: list[str]) -> None:
     so this runs before the commands are imported; a value the user set is kept."""
     if args[:1] == ["attach"]:
         os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
-        from kvtrace.capture import memory
+        from kvtrace.capture import memory  # lazy: only `attach` tunes the allocator, before pyarrow is first imported
 
         if memory.trimming():
             memory.tune_malloc()

@@ -39,7 +39,7 @@ from kvtrace.analysis.whatif_replay import Replay, _not_none  # noqa: F401 (re-e
 from kvtrace.analysis.whatif_workload import (CLOSED_LOOP_NS, Req, Workload, _col, fit_steps,  # noqa: F401 (re-exported)
                                               recorded_figures, workload)
 from kvtrace.errors import DatasetError, UsageError
-from kvtrace.status import human_bytes
+from kvtrace.units import human_bytes
 
 # What one replay may allocate for its block pool (BlockPool.bytes_for: the arrays it allocates
 # whatever the workload, at their peak), as a fraction of MemAvailable.  Half, because the replays

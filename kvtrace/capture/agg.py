@@ -37,6 +37,7 @@ import pyarrow as pa
 from kvtrace.capture import fileio, iouring, settle
 from kvtrace.capture.events import KIND_BLOCK, KIND_FILEIO, KIND_URING, NKINDS, map_items as _items
 from kvtrace.dataset import schema
+from kvtrace.errors import UsageError
 
 MAX_SHIFT = 15
 TABLES = {KIND_BLOCK: "block_io", KIND_FILEIO: "file_io", KIND_URING: "io_uring"}
@@ -51,7 +52,6 @@ SWEEP_EVERY = 10          # flushes between sweeps of the keys of exited process
 
 def parse_mode(text: str) -> str | int:
     """``auto``, ``off``, or N (keep 1 in N raw events; a power of two up to 2^15)."""
-    from kvtrace.errors import UsageError
 
     t = str(text).strip().lower()
     if t in ("auto", "off"):

@@ -80,7 +80,7 @@ class DecodeContext:
     dev_names: dict[int, str] = field(default_factory=dict)
     malformed: int = 0      # ring-buffer records of no known kind, or of the wrong size
     bad_frames: int = 0     # hook marker frames the probe could not copy (or not frames)
-    # The NVMe topology, kept here by the fabric sidecar (kvtrace.fabric.session.TopologyWatcher):
+    # The NVMe topology, kept here by the fabric sidecar (kvtrace.attach.fabric.TopologyWatcher):
     # controllers by ctrl_id, the whole topology, the logical block size of every namespace
     # seen in the run ((ctrl_id, nsid) -> bytes, kept after it vanishes), and a callback that
     # rescans sysfs at once (rate-limited) when records name controllers, namespaces or disks the

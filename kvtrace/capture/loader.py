@@ -1,7 +1,7 @@
 """The kernel side: compile the plan with bcc, fill the target set, poll the ring buffer.
 
 The only module that imports bcc.  Events are copied out of the ring buffer as raw bytes
-and sorted by kind; decoding happens later, in batches, in kvtrace.pipeline.
+and sorted by kind; decoding happens later, in batches, in kvtrace.attach.pipeline.
 """
 from __future__ import annotations
 

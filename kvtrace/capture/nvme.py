@@ -2,10 +2,10 @@
 and asynchronous events (table ``nvme_async``).
 
 The exact per-queue totals and latency histograms live in BPF maps and are read once per
-flush by kvtrace.fabric.kstats (tables ``nvme_queue`` and ``nvme_queue_hist``).
+flush by kvtrace.capture.kstats (tables ``nvme_queue`` and ``nvme_queue_hist``).
 
 ``Reference`` is the pairing rule set of nvme.bpf.c written again in Python over decoded
-tracepoint records (kvtrace.fabric.tpformat): the tests drive it with records laid out for
+tracepoint records (kvtrace.capture.tpformat): the tests drive it with records laid out for
 several kernels, and a lab run can drive it with records the kernel wrote to ftrace to
 cross-check the BPF program.
 """
@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvtrace.capture.events import KIND_NVME, DecodeContext, cstr, decode_array, struct_dtype
+from kvtrace.capture import tpformat
 
 NAME = "nvme"
 KIND = KIND_NVME
@@ -105,7 +106,6 @@ REQUIRED = {
 
 
 def _default_fields(system: str, event: str):
-    from kvtrace.fabric import tpformat
 
     return tpformat.field_names(system, event)
 

@@ -1,6 +1,6 @@
 """Decoder for probes/rdma.bpf.c: RDMA connection-manager events and kernel CQ lifecycle
 (table ``rdma_events``); per-CQ polling counters come from a BPF map read by
-kvtrace.fabric.kstats (table ``rdma_cq``)."""
+kvtrace.capture.kstats (table ``rdma_cq``)."""
 from __future__ import annotations
 
 import ipaddress

@@ -8,6 +8,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvtrace.capture.events import KIND_TCP, DecodeContext, decode_array, struct_dtype
+from kvtrace.capture import tpformat
 
 NAME = "tcp"
 KIND = KIND_TCP
@@ -46,7 +47,6 @@ FAMILIES = {2: "ipv4", 10: "ipv6"}
 
 
 def _default_fields(system: str, event: str):
-    from kvtrace.fabric import tpformat
 
     return tpformat.field_names(system, event)
 

@@ -9,6 +9,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvtrace.capture.events import KIND_ULIB, DecodeContext, decode_array, struct_dtype
+from kvtrace.host import tracefs
 
 NAME = "ulib"
 KIND = KIND_ULIB
@@ -40,7 +41,6 @@ requested: dict[str, str | None] = {}
 def config(tp) -> tuple[list[str], str | None]:
     if not requested:
         return [], "not asked for (--uprobe ucx|cufile|nixl)"
-    from kvtrace.host import tracefs
 
     base = tracefs.root()
     if base is None or not (base / "uprobe_events").exists():

@@ -29,8 +29,8 @@ def command(directory, as_json, html_path, engine, spark_master, block_size, wid
     least important columns are left out and named under the table.  --wide shows everything;
     --json has every full id.
     """
-    from kvtrace.analysis import render
-    from kvtrace.analysis.report import analyze
+    from kvtrace.analysis import render  # lazy: start-up cost: the CLI imports every command's module (cli._register)
+    from kvtrace.analysis.report import analyze  # lazy: start-up cost: the CLI imports every command's module (cli._register)
 
     rep = analyze(directory, engine=engine, master=spark_master, block_size=block_size)
     if html_path:

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import click
 
-from kvtrace.capture import BY_NAME, program, rawfile, session
+from kvtrace.attach import session
+from kvtrace.capture import BY_NAME, program, rawfile
 from kvtrace.commands.params import FLUSH_MIN_S, METRICS_MIN_S, Seconds
 from kvtrace.dataset.writer import DatasetWriter
 from kvtrace.errors import PrivilegeError, UsageError
-from kvtrace.fabric import session as fabric
+from kvtrace.attach import fabric
 from kvtrace.host import privileges, tracefs
-from kvtrace.vllm.select import choose_server, server_of
+from kvtrace.attach.select import choose_server, server_of
 
 
 @click.command("attach", context_settings={"ignore_unknown_options": False})
@@ -55,18 +56,39 @@ def command(pids, out, duration, probe_names, no_writes, skip_fds, ringbuf_pages
     With neither, find the vLLM server (--port PORT, or --yes for the only one) and trace its
     API server, EngineCore and Workers, plus its KV-event stream and /metrics.
     """
-    from kvtrace import targets
-    from kvtrace.capture import agg
-    from kvtrace.pipeline import default_host, new_run_id
+    from kvtrace.capture import agg  # lazy: start-up cost: the CLI imports every command's module (cli._register)
 
     sampling = agg.parse_mode(sampling)
+    _check_options(otlp, otlp_protocol, kv_events, kv_replay, ringbuf_pages)
+    server, pids = _targets(pids, command, port, yes)
+    if on_restart is not None and server is None:
+        raise UsageError("--on-restart applies to a vLLM server: use it with --port, --yes, or --pid of a vLLM server")
+    _check_privileges()
+    writer, pids = _start_dataset(out, pids, raw_out)
+    plan = program.plan(list(probe_names) or None, ringbuf_pages=ringbuf_pages, trace_writes=not no_writes,
+                        skip_fds=skip_fds)
+    cap = session.Capture(plan, writer, pids, out, list(command), server, duration, flush_interval, sampling, raw_out,
+                          otlp, otlp_protocol, kv_events, kv_replay, metrics_url, metrics_interval, inject,
+                          on_restart, quiet)
+    pipeline, reason = session.run(cap, echo=lambda m: click.echo(m, err=True))
+    _report(pipeline, reason, out, writer.run)
+    return 0
 
+
+def _check_options(otlp, otlp_protocol, kv_events, kv_replay, ringbuf_pages) -> None:
+    """Usage errors found from the options alone, before anything is looked up or attached."""
     if otlp:
-        from kvtrace.otlp.exporter import parse_endpoint
+        from kvtrace.otlp.exporter import parse_endpoint  # lazy: start-up cost: the CLI imports every command's module (cli._register)
 
         parse_endpoint(otlp, otlp_protocol)  # a bad URL is a usage error, before anything is attached
     if kv_replay and not kv_events:
         raise UsageError("--kv-replay needs --kv-events")
+    if ringbuf_pages <= 0 or ringbuf_pages & (ringbuf_pages - 1):
+        raise UsageError("--ringbuf-pages must be a power of two (e.g. 1024)")
+
+
+def _targets(pids, command, port, yes):
+    """(the vLLM server traced or None, the pids to trace)."""
     server = None
     if not pids and not command:
         server = choose_server(port, yes)
@@ -77,32 +99,37 @@ def command(pids, out, duration, probe_names, no_writes, skip_fds, ringbuf_pages
         server = server_of(pids)  # a pid of a vLLM server picks that whole server
         if server is not None:
             pids = tuple(dict.fromkeys([*pids, *server.pids]))
-    if on_restart is not None and server is None:
-        raise UsageError("--on-restart applies to a vLLM server: use it with --port, --yes, or --pid of a vLLM server")
-    if ringbuf_pages <= 0 or ringbuf_pages & (ringbuf_pages - 1):
-        raise UsageError("--ringbuf-pages must be a power of two (e.g. 1024)")
+    return server, pids
+
+
+def _check_privileges() -> None:
     missing = privileges.missing_for_capture()
     if missing:
         raise PrivilegeError(f"capture needs {', '.join(missing)}: run with sudo (nothing was attached)")
     if tracefs.root() is None:
         raise PrivilegeError("tracefs is not mounted: mount -t tracefs tracefs /sys/kernel/tracing (or run scripts/setup-host)")
+
+
+def _start_dataset(out, pids, raw_out):
+    """The pids checked, the dataset's writer made and the --raw-out file created (0600)."""
+    from kvtrace.attach import targets  # lazy: start-up cost: the CLI imports every command's module (cli._register)
+    from kvtrace.attach.pipeline import default_host, new_run_id  # lazy: start-up cost: the CLI imports every command's module (cli._register)
+
     pids = targets.check_pids(list(pids))
     writer = DatasetWriter(out, new_run_id(), default_host())
     if raw_out:
-        rawfile.create(raw_out).close()  # mode 0600 like the dataset; not writable: one line, exit 5, nothing attached
-    plan = program.plan(list(probe_names) or None, ringbuf_pages=ringbuf_pages, trace_writes=not no_writes,
-                        skip_fds=skip_fds)
-    cap = session.Capture(plan, writer, pids, out, list(command), server, duration, flush_interval, sampling, raw_out,
-                          otlp, otlp_protocol, kv_events, kv_replay, metrics_url, metrics_interval, inject,
-                          on_restart, quiet)
-    pipeline, reason = session.run(cap, echo=lambda m: click.echo(m, err=True))
+        rawfile.create(raw_out).close()  # not writable: one line, exit 5, nothing attached
+    return writer, pids
+
+
+def _report(pipeline, reason: str, out, run: str) -> None:
+    """The sinks, warnings and stop line, then the summary of what was recorded."""
+    from kvtrace.commands.summary import print_summary  # lazy: start-up cost: the CLI imports every command's module (cli._register)
+    from kvtrace.dataset.reader import Dataset  # lazy: start-up cost: the CLI imports every command's module (cli._register)
+
     for sink in pipeline.sinks:
         click.echo(f"kvtrace: {sink.describe()}", err=True)
     for note in pipeline.notes:
         click.echo(f"kvtrace: warning: {note}", err=True)
-    click.echo(f"kvtrace: stopped ({reason}); dataset {out}, run {writer.run}", err=True)
-    from kvtrace.commands.summary import print_summary
-    from kvtrace.dataset.reader import Dataset
-
-    print_summary(Dataset.open(out), run=writer.run)
-    return 0
+    click.echo(f"kvtrace: stopped ({reason}); dataset {out}, run {run}", err=True)
+    print_summary(Dataset.open(out), run=run)

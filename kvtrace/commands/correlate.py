@@ -15,7 +15,7 @@ import click
               help="Replace derived tables even by fewer rows (refused otherwise, exit 2: e.g. the hook tables are gone).")
 def command(directory, run, as_json, force) -> int:
     """Join kernel I/O and vLLM records into requests, chunks and steps (no root needed)."""
-    from kvtrace.correlate.derive import correlate_dataset
+    from kvtrace.correlate.derive import correlate_dataset  # lazy: start-up cost: the CLI imports every command's module (cli._register)
 
     out = []
     for rc, written in correlate_dataset(directory, run=run, force=force):

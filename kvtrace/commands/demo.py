@@ -31,7 +31,7 @@ def _sh(*cmd: str) -> str:
 
 
 def io_demo(out: Path, chunk: int = 131072, count: int = 64) -> int:
-    from kvtrace.dataset.reader import Dataset
+    from kvtrace.dataset.reader import Dataset  # lazy: start-up cost: the CLI imports every command's module (cli._register)
 
     with tempfile.TemporaryDirectory(prefix="kvtrace-demo-") as tmp:
         img = Path(tmp) / "kv.img"
@@ -41,7 +41,7 @@ def io_demo(out: Path, chunk: int = 131072, count: int = 64) -> int:
         try:
             result = Path(tmp) / "workload.json"
             cmd = [sys.executable, "-m", "kvtrace", "attach", "--out", str(out), "--",
-                   sys.executable, "-m", "kvtrace.workloads", "mixed", "--path", dev,
+                   sys.executable, "-m", "kvtrace.demo.io", "mixed", "--path", dev,
                    "--chunk", str(chunk), "--count", str(count), "--result", str(result)]
             if subprocess.run(cmd).returncode:
                 raise CaptureError("kvtrace attach failed (see above)")
@@ -70,9 +70,9 @@ def vllm_demo(out: Path) -> int:
     import signal
     import time
 
-    from kvtrace.dataset.reader import Dataset
-    from kvtrace.vllm import workload
-    from kvtrace.vllm.server import VllmServer, demo_args, free_port
+    from kvtrace.dataset.reader import Dataset  # lazy: start-up cost: the CLI imports every command's module (cli._register)
+    from kvtrace.demo import workload  # lazy: start-up cost: the CLI imports every command's module (cli._register)
+    from kvtrace.demo.server import VllmServer, demo_args, free_port  # lazy: start-up cost: the CLI imports every command's module (cli._register)
 
     work = Path(tempfile.mkdtemp(prefix="kvtrace-demo-vllm-"))
     zport = free_port()

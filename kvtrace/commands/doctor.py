@@ -7,7 +7,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from kvtrace.host import checks
+from kvtrace.doctor import checks
 
 STYLE = {checks.OK: "green", checks.MISSING: "red", checks.ABSENT_FINE: "yellow"}
 

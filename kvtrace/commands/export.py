@@ -23,8 +23,8 @@ def command(directory, url, protocol, run, timeout, as_json) -> int:
     One trace per request (joining the request's W3C trace when it carried one), a span per
     prefill chunk, and the KV transfers and storage I/O under it; OTLP metrics at the end.
     """
-    from kvtrace.otlp.exporter import parse_endpoint
-    from kvtrace.otlp.sink import replay
+    from kvtrace.otlp.exporter import parse_endpoint  # lazy: start-up cost: the CLI imports every command's module (cli._register)
+    from kvtrace.otlp.sink import replay  # lazy: start-up cost: the CLI imports every command's module (cli._register)
 
     parse_endpoint(url, protocol)  # bad URL: one line, exit 2, before reading anything
 

@@ -15,7 +15,7 @@ from kvtrace.host import privileges
 
 
 def find_server(pid: int):
-    from kvtrace.vllm.discover import discover
+    from kvtrace.vllm.discover import discover  # lazy: start-up cost: the CLI imports every command's module (cli._register)
 
     for server in discover():
         if pid in server.pids:
@@ -33,7 +33,7 @@ def command(pid: int, remove: bool, status_only: bool, timeout: float, as_json: 
     """Install (default), remove or inspect the vLLM hook in a live server."""
     import os
 
-    from kvtrace.inject import injector
+    from kvtrace.inject import injector  # lazy: start-up cost: the CLI imports every command's module (cli._register)
 
     if os.geteuid() != 0 and not privileges.has_cap(privileges.CAP_SYS_PTRACE):
         raise PrivilegeError("injection needs root or CAP_SYS_PTRACE: run with sudo (target untouched)")

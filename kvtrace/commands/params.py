@@ -6,7 +6,7 @@ import math
 import click
 
 # The bounds of the time options, each stated in its --help and its error message.
-# attach's loop polls every 0.05 s (kvtrace/capture/session.py), so a flush interval at or below
+# attach's loop polls every 0.05 s (kvtrace/attach/session.py), so a flush interval at or below
 # that flushes at every poll, as 0 did: a part file per table 20 times a second.  0.1 s still
 # allows a short interval; a crash loses at most one.
 FLUSH_MIN_S = 0.1

@@ -2,62 +2,16 @@
 from __future__ import annotations
 
 import json
-import os
 
 import click
 
-
-def kv_label(info) -> str:
-    kv = info.kv_events
-    if kv is None or not kv.enabled:
-        return "off"
-    out = kv.endpoint or "?"
-    if kv.replay_endpoint:
-        out += f" replay {kv.replay_endpoint}"
-    if kv.dp_size > 1:
-        out += f" ({kv.dp_size} DP ranks: port + rank)"
-    return out
-
-
-def where(info) -> str:
-    """' [container]' / ' [netns net:[…]]' when the server lives apart from kvtrace."""
-    tags = ["container"] if info.in_container else []
-    if info.netns:
-        tags.append(f"own network {info.netns_id}")
-    return f" [{', '.join(tags)}]" if tags else ""
-
-
-def _console(stderr: bool):
-    from rich.console import Console
-
-    c = Console(stderr=stderr)
-    return c if c.is_terminal else Console(stderr=stderr, width=200)
-
-
-def render(servers, console=None) -> None:
-    """The servers as a rich table (to stderr by default, so stdout stays clean for pipes),
-    fitted to the console's width: the least needed columns go first (Python, then the Worker
-    and EngineCore pids; `kvtrace servers --json` has them all), then endpoints and models fold."""
-    from kvtrace.analysis.render import Col, Term
-
-    console = console or _console(stderr=True)
-    cols = [Col("API pid", justify="left", wrap="word"), Col("port", justify="left"),
-            Col("EngineCore", 3, justify="left", wrap="word"), Col("Workers", 3, justify="left", wrap="word"),
-            Col("Python", 4, justify="left"), Col("vLLM", 1, justify="left"), Col("plugin", 2, justify="left"),
-            Col("KV events", 1, justify="left", wrap="fold"), Col("model", justify="left", wrap="fold")]
-    rows = [[" ".join(map(str, s.api_pids)), str(s.port) if s.port is not None else "-",
-             " ".join(map(str, s.engine_pids)) or "-", " ".join(map(str, s.worker_pids)) or "-",
-             s.python_version or "?", s.vllm_version or "?", {"installed": "yes", "absent": "no"}.get(s.plugin, s.plugin),
-             kv_label(s), (os.path.basename((s.model or "?").rstrip("/")) or s.model) + where(s)] for s in servers]
-    Term(console, hint="kvtrace servers --json shows them").table(f"vLLM servers ({len(servers)})", cols, rows,
-                                                                   title_justify="left")
-
+from kvtrace.attach.listing import _console, render
 
 @click.command("servers")
 @click.option("--json", "as_json", is_flag=True, help="Print the servers as JSON (one array) on stdout.")
 def command(as_json: bool) -> int:
     """List running vLLM servers: pids, port, versions, KV-event endpoint, kvtrace plugin."""
-    from kvtrace.vllm.discover import discover
+    from kvtrace.vllm.discover import discover  # lazy: start-up cost: the CLI imports every command's module (cli._register)
 
     servers = discover()
     if as_json:

@@ -10,7 +10,7 @@ import pyarrow.compute as pc
 from rich.console import Console
 
 from kvtrace.dataset.reader import Dataset
-from kvtrace.status import human_bytes
+from kvtrace.units import human_bytes
 
 
 def _ms(ns) -> str:
@@ -96,7 +96,7 @@ def print_run(console: Console, r: dict) -> None:
     """A run's line, then its pids, probes, skipped probes, sinks and untraced events, each
     wrapped under itself at the console's width.  To a pipe or a file the sink and untraced
     lines stay whole, one line each, for grep."""
-    from kvtrace.analysis.render import Term
+    from kvtrace.analysis.render import Term  # lazy: start-up cost: the CLI imports every command's module (cli._register)
 
     t = Term(console)
     lost = sum((r.get("lost_events") or {}).values())
@@ -117,7 +117,7 @@ def print_run(console: Console, r: dict) -> None:
 def print_tables(console: Console, title: str, tables: dict) -> None:
     """One row per table, fitted to the console's width (pids wrap; the least needed columns go
     first, and `kvtrace summary --json` has them)."""
-    from kvtrace.analysis.render import Col, Term
+    from kvtrace.analysis.render import Col, Term  # lazy: start-up cost: the CLI imports every command's module (cli._register)
 
     def pids(st):
         p = st.get("pids", [])

@@ -42,7 +42,7 @@ def command(directory, chunk_size, block_size, cache_blocks, storage_tier, max_n
     """Predict hit rate, recomputed tokens, evictions and storage loads for other settings."""
     import json
 
-    from kvtrace.analysis import whatif
+    from kvtrace.analysis import whatif  # lazy: start-up cost: the CLI imports every command's module (cli._register)
 
     tiers = [t.strip() for t in storage_tier.split(",")] if storage_tier else None
     res = whatif.run(directory, chunk_sizes=chunk_size, block_sizes=block_size,

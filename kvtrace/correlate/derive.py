@@ -17,6 +17,8 @@ from kvtrace.correlate.requests import Acc, Requests, request_row, requests_tabl
 from kvtrace.dataset import schema
 from kvtrace.dataset.reader import Dataset
 from kvtrace.errors import DatasetError, UsageError
+from kvtrace import __version__
+from kvtrace.dataset.writer import _write
 
 DERIVED = ("requests", "chunks", "steps", "attributions")
 HOOK_NEEDED = ("step", "chunk", "admit")  # vLLM's records without which there is nothing to derive
@@ -110,8 +112,6 @@ ON_FULL = "kvtrace correlate stopped; the raw tables are untouched (run kvtrace 
 
 def write_derived(root, rc: RunCorrelation) -> dict[str, int]:
     """Write (or replace) the run's derived tables; returns rows per table."""
-    from kvtrace import __version__
-    from kvtrace.dataset.writer import _write
 
     root = root.root if isinstance(root, Dataset) else Path(root)
     out = {}

@@ -53,7 +53,7 @@ class Namespace:
     head_dev: tuple[int, int] | None
     disk_dev: tuple[int, int] | None   # the dev the block layer reports for the disk, from its sysfs `dev`; a
                                        # hidden multipath path has none there (6.1 still gives it one in the block
-                                       # layer: kvtrace.fabric.session learns it from the probe's remaps)
+                                       # layer: kvtrace.attach.fabric learns it from the probe's remaps)
     hctx: list[Hctx] = field(default_factory=list)
     mounts: list[str] = field(default_factory=list)
 

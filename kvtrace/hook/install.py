@@ -71,7 +71,7 @@ def install(roles: list[str] | None = None, live: bool = False) -> bool:
         if "worker" in roles:
             _patch_live_connector()
         try:
-            from kvtrace.hook import api
+            from kvtrace.hook import api  # lazy: absent when the hook runs from staged files without kvtrace
 
             api._sink = record_transfer
         except Exception:
@@ -106,7 +106,7 @@ def uninstall() -> None:
     _REGISTRY.clear()
     _HOT_IN[0] = True
     try:
-        from kvtrace.hook import api
+        from kvtrace.hook import api  # lazy: absent when the hook runs from staged files without kvtrace
 
         if api._sink is record_transfer:
             api._sink = None

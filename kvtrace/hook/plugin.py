@@ -15,7 +15,7 @@ def register() -> None:
     try:
         if os.environ.get("KVTRACE_HOOK", "1") == "0":
             return
-        from kvtrace.hook import vllm_hook
+        from kvtrace.hook import vllm_hook  # lazy: register() costs nothing when KVTRACE_HOOK=0
 
         if vllm_hook.detect_roles():
             vllm_hook.install()

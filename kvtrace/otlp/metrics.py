@@ -16,6 +16,7 @@ kvtrace_kv_load_duration_seconds_bucket, … (exporters/).
 from __future__ import annotations
 
 import numpy as np
+from kvtrace import __version__
 
 BOUNDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _B = np.array(BOUNDS)
@@ -98,7 +99,6 @@ class Metrics:
         from opentelemetry.proto.metrics.v1 import metrics_pb2 as m
         from opentelemetry.proto.resource.v1 import resource_pb2 as rs
 
-        from kvtrace import __version__
 
         def kvs(attrs):
             out = []

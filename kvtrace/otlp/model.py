@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 from kvtrace.correlate import ids
 from kvtrace.correlate.requests import Acc
+from kvtrace.otlp import encode
 
 MAX_EVENTS = 64  # per span; the rest are counted in dropped_events_count
 KIND_INTERNAL = 1
@@ -251,7 +252,6 @@ def _codes(values: list[str]) -> tuple[list[int], list[str]]:
 def encoded_chunk_spans(res, trace_of, offset: int) -> list[bytes]:
     import numpy as np
 
-    from kvtrace.otlp import encode
 
     ch = res.chunks
     n = ch.num_rows
@@ -296,7 +296,6 @@ def encoded_chunk_spans(res, trace_of, offset: int) -> list[bytes]:
 def encoded_request_spans(rows: list[dict], accs: list, offset: int) -> list[bytes]:
     import numpy as np
 
-    from kvtrace.otlp import encode
 
     if not rows:
         return []
@@ -317,27 +316,8 @@ def encoded_request_spans(rows: list[dict], accs: list, offset: int) -> list[byt
                                  [r["parent_span_id"] for r in rows], start, end, attrs, extra)
 
 
-def _chunk_events(res, offset: int) -> dict:
-    out: dict[tuple, list] = {}
-    for e in res.evicts:
-        if e["chunk"] is not None:
-            out.setdefault((e["request"],) + e["chunk"], []).append(
-                (e["t_ns"] + offset, "kvtrace.evict", (("kvtrace.block.hash", f"{e['block_hash']:016x}"),
-                                                      ("kvtrace.block.id", e["block_id"]),
-                                                      ("kvtrace.block.group", e["group"]),
-                                                      ("kvtrace.block.medium", e["medium"]))))
-    for p in res.preempts:
-        if p["for_chunk"] is not None:
-            out.setdefault((p["for_request"],) + p["for_chunk"], []).append(
-                (p["t_ns"] + offset, "kvtrace.preempt", (("kvtrace.preempt.victim", p["request"]),
-                                                        ("kvtrace.preempt.computed_tokens", p["computed_before"]),
-                                                        ("kvtrace.preempt.num_tokens", p["num_tokens"]))))
-    return out
-
-
 def _chunk_events_encoded(res, offset: int) -> dict:
     """(request, attempt, step) -> [(time, name, encoded event)]: the events of _chunk_events, encoded."""
-    from kvtrace.otlp import encode
 
     out: dict[tuple, list] = {}
     for e in res.evicts:
@@ -357,7 +337,6 @@ def _chunk_events_encoded(res, offset: int) -> dict:
 
 def encoded_other_spans(res, trace_of, offset: int) -> list[bytes]:
     """Transfer and kernel I/O spans (fewer): the Span path."""
-    from kvtrace.otlp import encode
 
     res_no_chunks = _NoChunks(res)
     return [encode.span(s) for s in chunk_spans(res_no_chunks, trace_of, offset)]

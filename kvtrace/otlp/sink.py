@@ -15,6 +15,8 @@ from kvtrace.otlp.metrics import Metrics
 from kvtrace.otlp.model import (Span, chunk_spans, encoded_chunk_spans, encoded_other_spans, encoded_request_spans,
                                 request_span)
 from kvtrace.correlate.requests import request_row
+from kvtrace.correlate.derive import correlate_dataset, no_gc
+from kvtrace.correlate.requests import trace_info
 
 
 def spans_of_pass(res, closed, trace_of, run: str, offset: int) -> list[Span]:
@@ -142,7 +144,6 @@ class OtlpSink:
 def replay(root, url: str, protocol: str, run: str | None = None, exporter_kw: dict | None = None,
            progress=None) -> tuple[list, list[dict]]:
     """Send a recorded dataset's spans and metrics; returns (exporters' stats, per-run counts)."""
-    from kvtrace.correlate.derive import correlate_dataset, no_gc
 
     out = []
     stats = []
@@ -169,6 +170,5 @@ def replay(root, url: str, protocol: str, run: str | None = None, exporter_kw: d
 
 
 def _fallback(run: str, request: str):
-    from kvtrace.correlate.requests import trace_info
 
     return trace_info(run, request, None)

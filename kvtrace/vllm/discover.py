@@ -12,21 +12,20 @@ Everything is best effort: a field that cannot be read is None, never an excepti
 """
 from __future__ import annotations
 
-import configparser
 import ipaddress
 import json
 import os
 import re
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import psutil
 
 from kvtrace import phases
 from kvtrace.host import netns
+# Re-exported: reading the server's Python environment lives in its own module.
+from kvtrace.vllm.pyenv import (PLUGIN_GROUP, PLUGIN_NAME, _dist_infos, _Fs, _mapped_paths,  # noqa: F401
+                                _python_version, _resolve_arg0, _site_candidates, _vllm_version, plugin_installed)
 
-PLUGIN_GROUP = "vllm.general_plugins"
-PLUGIN_NAME = "kvtrace"
 DEFAULT_PORT = 8000
 DEFAULT_KV_ENDPOINT = "tcp://*:5557"
 _PY_RE = re.compile(r"^python(\d(\.\d+)?)?[a-z]?$")
@@ -287,182 +286,6 @@ def _port(proc: psutil.Process, cmdline: list[str], excluded: set[int]) -> tuple
     if ports:
         return host or ports[0][0], ports[0][1]
     return host, DEFAULT_PORT if not listens else None
-
-
-# ---------------------------------------------------------------------------------------------
-# The server's Python environment, read through /proc/PID/root
-
-
-class _Fs:
-    """Paths of one process's mount namespace."""
-
-    def __init__(self, pid: int):
-        self.root = f"/proc/{pid}/root"
-        try:
-            self.usable = os.path.isdir(self.root + "/")
-            self.container = self.usable and os.stat(self.root + "/") != os.stat("/")
-        except OSError:
-            self.usable, self.container = False, False
-
-    def p(self, path: str) -> Path:
-        if not path.startswith("/"):
-            path = "/" + path
-        return Path((self.root if self.usable else "") + path)
-
-    def exists(self, path: str) -> bool:
-        try:
-            return self.p(path).exists()
-        except OSError:
-            return False
-
-    def read(self, path: str, limit: int = 1 << 20) -> str | None:
-        try:
-            with open(self.p(path), "rb") as f:
-                return f.read(limit).decode("utf-8", "replace")
-        except OSError:
-            return None
-
-    def listdir(self, path: str) -> list[str]:
-        try:
-            return sorted(os.listdir(self.p(path)))
-        except OSError:
-            return []
-
-
-def _mapped_paths(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            out = []
-            for line in f:
-                parts = line.split(None, 5)
-                if len(parts) == 6 and parts[5].startswith("/"):
-                    out.append(parts[5].strip().removesuffix(" (deleted)"))
-            return list(dict.fromkeys(out))
-    except OSError:
-        return []
-
-
-def _resolve_arg0(fs: _Fs, arg0: str, cwd: str | None, env: dict) -> str | None:
-    if "/" in arg0:
-        return arg0 if arg0.startswith("/") else os.path.normpath(os.path.join(cwd or "/", arg0))
-    for d in (env.get("PATH") or "/usr/local/bin:/usr/bin:/bin").split(":"):
-        if d and fs.exists(f"{d}/{arg0}"):
-            return f"{d}/{arg0}"
-    return None
-
-
-def _site_candidates(fs: _Fs, pid: int, arg0: str | None, exe: str | None, xy: str | None, env: dict) -> tuple[list[str], str | None]:
-    """(site-packages directories to look in, venv root or None)."""
-    cands: list[str] = []
-    maps = _mapped_paths(pid)
-    for m in maps:
-        hit = re.search(r"^(.*/(?:site|dist)-packages)/vllm/", m)
-        if hit:
-            cands.append(hit.group(1))
-    for m in maps:
-        hit = re.search(r"^(.*/(?:site|dist)-packages)/", m)
-        if hit:
-            cands.append(hit.group(1))
-    venv = None
-    if arg0:
-        bindir = os.path.dirname(arg0)
-        root = os.path.dirname(bindir)
-        if fs.exists(f"{root}/pyvenv.cfg"):
-            venv = root
-    for pp in (env.get("PYTHONPATH") or "").split(":"):
-        if pp.startswith("/"):
-            cands.append(pp)
-    vers = [xy] if xy else []
-    for base in [venv, env.get("VIRTUAL_ENV"), os.path.dirname(os.path.dirname(exe)) if exe else None]:
-        if not base:
-            continue
-        for v in vers or [d.removeprefix("python") for d in fs.listdir(f"{base}/lib") if d.startswith("python3")]:
-            cands += [f"{base}/lib/python{v}/site-packages", f"{base}/local/lib/python{v}/dist-packages"]
-    cands += ["/usr/lib/python3/dist-packages"] + [f"/usr/local/lib/python{v}/dist-packages" for v in vers]
-    return list(dict.fromkeys(cands)), venv
-
-
-def _python_version(fs: _Fs, pid: int, exe: str | None, venv: str | None, site: str | None) -> str | None:
-    """X.Y.Z of the server's interpreter: pyvenv.cfg, patchlevel.h, or the version string in the binary."""
-    xy = None
-    for s in [exe or "", site or ""] + [m for m in _mapped_paths(pid) if "libpython" in m]:
-        hit = re.search(r"python(3\.\d+)", s)
-        if hit:
-            xy = hit.group(1)
-            break
-    if venv:
-        cfg = fs.read(f"{venv}/pyvenv.cfg") or ""
-        hit = re.search(r"^\s*version(?:_info)?\s*=\s*(\d+\.\d+\.\d+\S*)", cfg, re.M)
-        if hit:
-            return hit.group(1)
-    if exe:
-        prefix = os.path.dirname(os.path.dirname(exe))
-        for inc in ([f"{prefix}/include/python{xy}/patchlevel.h"] if xy else []):
-            text = fs.read(inc) or ""
-            hit = re.search(r'#define\s+PY_VERSION\s+"([^"]+)"', text)
-            if hit:
-                return hit.group(1)
-    if xy:
-        pat = re.compile(rb"(?<![\d.])(" + re.escape(xy.encode()) + rb"\.\d{1,3}(?:(?:a|b|rc)\d+)?\+?)\x00")
-        for binary in [exe] + [m for m in _mapped_paths(pid) if "libpython" in m]:
-            if not binary:
-                continue
-            try:
-                with open(fs.p(binary), "rb") as f:
-                    data = f.read(64 << 20)
-            except OSError:
-                continue
-            found = [m.group(1).decode() for m in pat.finditer(data)]
-            if found:
-                return max(set(found), key=found.count)
-    return xy
-
-
-def _dist_infos(fs: _Fs, site: str) -> list[str]:
-    return [d for d in fs.listdir(site) if d.endswith((".dist-info", ".egg-info"))]
-
-
-def _vllm_version(fs: _Fs, site: str) -> str | None:
-    for d in _dist_infos(fs, site):
-        if not re.match(r"^vllm([_-][a-z0-9]+)?-\d", d):
-            continue
-        top = fs.read(f"{site}/{d}/top_level.txt")
-        record = None if top else fs.read(f"{site}/{d}/RECORD", limit=1 << 16)
-        if (top and "vllm" in top.split()) or (record and "vllm/__init__.py" in record) or (not top and not record):
-            meta = fs.read(f"{site}/{d}/METADATA", limit=1 << 16) or fs.read(f"{site}/{d}/PKG-INFO", limit=1 << 16) or ""
-            hit = re.search(r"^Version:\s*(\S+)", meta, re.M)
-            if hit:
-                return hit.group(1)
-            hit = re.match(r"^[^-]+-([^-]+?)(?:\.dist-info|\.egg-info|-py)", d)
-            if hit:
-                return hit.group(1)
-    for name in ("_version.py", "version.py"):
-        text = fs.read(f"{site}/vllm/{name}") or ""
-        hit = re.search(r"""(?:__version__|version)\s*(?::\s*str\s*)?=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", text)
-        if hit:
-            return hit.group(1)
-    return None
-
-
-def plugin_installed(fs: _Fs, sites: list[str]) -> bool:
-    """True when some dist in these directories declares entry point ``kvtrace`` in vllm.general_plugins."""
-    for site in sites:
-        for d in _dist_infos(fs, site):
-            text = fs.read(f"{site}/{d}/entry_points.txt", limit=1 << 16)
-            if not text or PLUGIN_GROUP not in text:
-                continue
-            cp = configparser.ConfigParser(delimiters=("=",), interpolation=None, strict=False)
-            cp.optionxform = str
-            try:
-                cp.read_string(text)
-            except configparser.Error:
-                continue
-            if cp.has_section(PLUGIN_GROUP) and any(k.strip() == PLUGIN_NAME for k in cp[PLUGIN_GROUP]):
-                return True
-    return False
-
-
-# ---------------------------------------------------------------------------------------------
 
 
 def _environ(proc: psutil.Process) -> dict:

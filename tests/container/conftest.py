@@ -2,6 +2,7 @@
 wheel under test) and one real vLLM server in a container, shared by the tests of this folder."""
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import tempfile
@@ -10,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtrace.vllm import workload
-from kvtrace.vllm.server import vllm_python
+from kvtrace.demo import workload
+from kvtrace.demo.server import vllm_python
 from tests.container import podman
 from tests.helpers import reset_prefix_cache
 from tests.vllm.conftest import SERVER_ARGS, KvEventSink, vllm_skip_reason
@@ -97,3 +98,16 @@ def traced_workload(ctr, agent_cmd: list[str], seed: int):
         return results, sink.between(t0, t1), agent
     finally:
         sink.close()
+
+
+def check_run(ds, ctr) -> dict:
+    """The run traced the container's three processes and read both streams inside its network
+    namespace without a loss; the run's sidecar stats by name."""
+    run = ds.runs()[0]
+    procs = ctr.processes()
+    assert sorted(run["pids"]) == sorted(procs["api"] + procs["engine"] + procs["workers"])
+    assert {h["pid"] for h in ds.table("hook_start").to_pylist()} <= set(procs["engine"] + procs["workers"])
+    side = {s["name"]: s for s in json.loads(run["sidecars"])}
+    assert side["kv_events"]["missing"] == 0 and side["kv_events"]["batches"] > 0
+    assert side["vllm_metrics"]["scrape_errors"] == 0 and side["vllm_metrics"]["scrapes"] >= 2
+    return side

@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 
 from kvtrace.host import netns
-from kvtrace.vllm.server import write_tiny_model
+from kvtrace.demo.server import write_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 CONF = Path(__file__).with_name("containers.conf")   # runc, cgroupfs, no ulimits: this VM's needs

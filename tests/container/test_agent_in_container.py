@@ -4,14 +4,13 @@ its own, only the capabilities kvtrace declares, tracefs and the host's kernel h
 mounted; attached to the vLLM server in its other container, with the same exact checks."""
 from __future__ import annotations
 
-import json
 import uuid
 
 import pytest
 
 from kvtrace.dataset.reader import Dataset
 from kvtrace.host.privileges import AGENT_LEAST
-from tests.container.conftest import traced_workload
+from tests.container.conftest import check_run, traced_workload
 from tests.container.podman import podman
 from tests.container.test_server_in_container import hook_installed
 from tests.vllm_checks import check_evictions, check_requests, removed_hashes
@@ -40,11 +39,6 @@ def test_agent_in_a_container_traces_a_server_in_another(agent_image, vllm_conta
     ds = Dataset.open(tmp_path / "ds")
     got = check_requests(ds, results)
     evicted = check_evictions(ds, removed_hashes(batches))
-    run = ds.runs()[0]
-    procs = ctr.processes()
-    assert sorted(run["pids"]) == sorted(procs["api"] + procs["engine"] + procs["workers"])
-    side = {s["name"]: s for s in json.loads(run["sidecars"])}
-    assert side["kv_events"]["missing"] == 0 and side["kv_events"]["batches"] > 0
-    assert side["vllm_metrics"]["scrape_errors"] == 0 and side["vllm_metrics"]["scrapes"] >= 2
+    check_run(ds, ctr)
     print(f"agent and server each in a container: {got['requests']} requests, {got['cached_tokens']} cached "
           f"tokens, {got['chunks']} chunks, {evicted} evictions")

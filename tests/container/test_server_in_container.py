@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
-import urllib.request
 
 import pytest
 
 from kvtrace.dataset.reader import Dataset
 from kvtrace.inject import injector
-from tests.container.conftest import traced_workload
+from tests.container.conftest import check_run, traced_workload
+from tests.vllm.test_streams import scrape_value
 from tests.vllm_checks import check_evictions, check_requests, removed_hashes
 
 pytestmark = pytest.mark.root
@@ -25,15 +24,6 @@ pytestmark = pytest.mark.root
 def hook_installed(ctr) -> list[bool]:
     procs = ctr.processes()
     return [injector.hook(p, "status")["status"]["installed"] for p in procs["engine"] + procs["workers"]]
-
-
-def scrape(url: str, name: str) -> float:
-    """One metric read straight from /metrics with a regex (not kvtrace's parser)."""
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    m = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
-    assert m, f"{name} not in /metrics"
-    return float(m.group(1))
 
 
 def test_servers_finds_the_container_with_host_pids_and_its_own_port(vllm_container):
@@ -51,7 +41,7 @@ def test_servers_finds_the_container_with_host_pids_and_its_own_port(vllm_contai
 
 def test_attach_from_the_host(vllm_container, tmp_path):
     ctr = vllm_container
-    hits_before = ctr.call(scrape, f"{ctr.url}/metrics", "vllm:prefix_cache_hits_total")
+    hits_before = ctr.call(scrape_value, f"{ctr.url}/metrics", "vllm:prefix_cache_hits_total")
     cmd = [sys.executable, "-m", "kvtrace", "attach", "--quiet", "--port", "8000", "--out", str(tmp_path / "ds"),
            "--metrics-interval", "0.5"]
     results, batches, agent = traced_workload(ctr, cmd, seed=21)
@@ -61,13 +51,7 @@ def test_attach_from_the_host(vllm_container, tmp_path):
     ds = Dataset.open(tmp_path / "ds")
     got = check_requests(ds, results)
     evicted = check_evictions(ds, removed_hashes(batches))
-    run = ds.runs()[0]
-    procs = ctr.processes()
-    assert sorted(run["pids"]) == sorted(procs["api"] + procs["engine"] + procs["workers"])
-    assert {h["pid"] for h in ds.table("hook_start").to_pylist()} <= set(procs["engine"] + procs["workers"])
-    side = {s["name"]: s for s in json.loads(run["sidecars"])}
-    assert side["kv_events"]["missing"] == 0 and side["kv_events"]["batches"] > 0
-    assert side["vllm_metrics"]["scrape_errors"] == 0 and side["vllm_metrics"]["scrapes"] >= 2
+    side = check_run(ds, ctr)
     # /metrics as the agent scraped it inside the namespace: its hits grew by the responses' cached tokens
     hits = [m for m in ds.table("vllm_metrics").to_pylist() if m["name"] == "vllm:prefix_cache_hits_total"]
     hits.sort(key=lambda m: m["ts_ns"])

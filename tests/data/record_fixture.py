@@ -11,7 +11,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 WORKLOAD = r'''
 import json, os, sys, time
-from kvtrace import workloads
+from kvtrace.demo import io as workloads
 from kvtrace.hook.transport import Transport
 dev = sys.argv[1]
 a = workloads.read_direct(dev, 65536, 4)

@@ -17,7 +17,7 @@ from tests.conftest import run_kvtrace
 from tests.privileged.conftest import disk_stat
 
 pytestmark = pytest.mark.root
-WORKLOAD = [sys.executable, "-m", "kvtrace.workloads"]
+WORKLOAD = [sys.executable, "-m", "kvtrace.demo.io"]
 
 FLOOD = r'''
 import json, os, signal, sys, time
@@ -103,7 +103,7 @@ def test_ring_overflow_aggregates_stay_exact_and_sampling_switches(tmp_path):
 
 def test_block_file_and_uring_aggregates_equal_the_raw_rows_and_the_kernel(tmp_path, loopdev):
     try:
-        from kvtrace.workloads import Uring
+        from kvtrace.demo.io import Uring
 
         Uring(2).close()
     except OSError as e:

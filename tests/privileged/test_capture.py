@@ -18,7 +18,7 @@ from tests.conftest import run_kvtrace
 from tests.privileged.conftest import disk_stat
 
 pytestmark = pytest.mark.root
-WORKLOAD = [sys.executable, "-m", "kvtrace.workloads"]
+WORKLOAD = [sys.executable, "-m", "kvtrace.demo.io"]
 
 
 def capture(tmp_path, *workload_args) -> tuple[Dataset, dict, subprocess.CompletedProcess]:
@@ -154,7 +154,7 @@ def test_buffered_reads_after_dropping_the_page_cache(tmp_path, ext4_on_loop):
 
 def test_io_uring_reads_pair_submit_and_complete(tmp_path, loopdev):
     try:
-        from kvtrace.workloads import Uring
+        from kvtrace.demo.io import Uring
 
         Uring(2).close()
     except OSError as e:

@@ -67,7 +67,7 @@ def test_capture_here_reports_nvme_and_rdma_absent_and_loses_nothing(tmp_path, l
     chunk, count = 131072, 32
     before = disk_stat(loopdev)
     out, result = tmp_path / "ds", tmp_path / "r.json"
-    p = run_kvtrace("attach", "--quiet", "--out", str(out), "--", PY, "-m", "kvtrace.workloads", "direct",
+    p = run_kvtrace("attach", "--quiet", "--out", str(out), "--", PY, "-m", "kvtrace.demo.io", "direct",
                     "--path", loopdev, "--chunk", str(chunk), "--count", str(count), "--result", str(result), timeout=300)
     assert p.returncode == 0, p.stderr
     after = disk_stat(loopdev)

@@ -70,8 +70,8 @@ def exercise_maps(b, plan) -> dict:
 
     sys.path.insert(0, str(HERE.parent.parent))
     from kvtrace.capture.events import DecodeContext
-    from kvtrace.fabric import session
-    from kvtrace.fabric.kstats import KernelMaps
+    from kvtrace.attach import fabric as session
+    from kvtrace.capture.kstats import KernelMaps
     from tests.sysfs_tree import materialize
 
     out = {}

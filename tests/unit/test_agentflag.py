@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 
-from kvtrace.agentflag import AgentFlag
+from kvtrace.attach.agentflag import AgentFlag
 from kvtrace.hook import transport
 
 
@@ -26,7 +26,7 @@ def test_entry_is_alive_while_the_lock_is_held(tmp_path):
 
 def test_a_sigkilled_agent_is_gone_though_its_file_stays(tmp_path):
     d = str(tmp_path / "agents")
-    code = ("import sys, time; from kvtrace.agentflag import AgentFlag; AgentFlag(sys.argv[1]).__enter__(); "
+    code = ("import sys, time; from kvtrace.attach.agentflag import AgentFlag; AgentFlag(sys.argv[1]).__enter__(); "
             "print('ready', flush=True); time.sleep(60)")
     p = subprocess.Popen([sys.executable, "-c", code, d], stdout=subprocess.PIPE, text=True)
     try:
@@ -96,7 +96,7 @@ def test_a_new_agent_removes_the_entries_of_agents_gone(tmp_path):
     """SIGKILLed agents leave entries the hook would open at every re-check: the next agent
     removes them, and only them."""
     d = str(tmp_path / "agents")
-    code = ("import sys, time; from kvtrace.agentflag import AgentFlag; AgentFlag(sys.argv[1]).__enter__(); "
+    code = ("import sys, time; from kvtrace.attach.agentflag import AgentFlag; AgentFlag(sys.argv[1]).__enter__(); "
             "print('ready', flush=True); time.sleep(60)")
     procs = [subprocess.Popen([sys.executable, "-c", code, d], stdout=subprocess.PIPE, text=True) for _ in range(3)]
     try:

@@ -49,7 +49,7 @@ def test_every_model_preset_is_written_as_given_and_fits_hookstep(tmp_path):
     bench/hookstep.py's KV spec (KV_HEADS heads of HEAD_SIZE) is the one every preset's layers have."""
     import json
 
-    from kvtrace.vllm.server import MODELS, write_tiny_model
+    from kvtrace.demo.server import MODELS, write_tiny_model
 
     hookstep = pytest.importorskip("hookstep")
     assert set(MODELS) == {"tiny", "small"}
@@ -62,7 +62,7 @@ def test_every_model_preset_is_written_as_given_and_fits_hookstep(tmp_path):
 
 
 def test_an_unknown_model_is_refused_before_anything_starts(tmp_path):
-    from kvtrace.vllm.server import VllmServer
+    from kvtrace.demo.server import VllmServer
 
     s = VllmServer(workdir=tmp_path, model_name="huge", python="/nonexistent/python")
     with pytest.raises(ValueError, match="no model 'huge': use one of tiny, small"):

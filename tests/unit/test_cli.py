@@ -107,7 +107,8 @@ def test_doctor_json_names_the_capabilities_this_process_lacks():
 
 
 def test_missing_capabilities_from_a_capability_mask():
-    from kvtrace.host import checks, privileges
+    from kvtrace.doctor import checks
+    from kvtrace.host import privileges
 
     bit = {c.name: 1 << c.number for c in privileges.CAPABILITIES}
     capture_only = checks.missing_capabilities(bit["CAP_BPF"] | bit["CAP_PERFMON"])

@@ -12,7 +12,7 @@ import pytest
 
 from kvtrace.capture import blockio, events, fileio, iouring, rawfile, usermark
 from kvtrace.capture.events import DecodeContext
-from kvtrace.pipeline import Pipeline
+from kvtrace.attach.pipeline import Pipeline
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 

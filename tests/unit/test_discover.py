@@ -154,7 +154,7 @@ def _info(pid, port, kv=None):
 
 
 def test_attach_chooses_a_server(monkeypatch):
-    from kvtrace.vllm import select
+    from kvtrace.attach import select
     from kvtrace.errors import TargetError, UsageError
 
     servers = []
@@ -176,7 +176,7 @@ def test_attach_chooses_a_server(monkeypatch):
 
 
 def test_attach_streams_warn_once_and_go_on(capsys):
-    from kvtrace.vllm.streams import start_vllm_streams
+    from kvtrace.attach.streams import start_vllm_streams
 
     kv = d.KvEventsInfo(enabled=True, publisher="zmq", endpoint="tcp://*:1", replay_endpoint=None)
     sidecars = start_vllm_streams(_info(100, 1, kv), None, None, None, 0.2)

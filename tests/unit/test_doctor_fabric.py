@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kvtrace.host import checks
+from kvtrace.doctor import checks
 from tests.conftest import run_kvtrace
 from tests.sysfs_tree import materialize
 

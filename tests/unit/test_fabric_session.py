@@ -9,8 +9,8 @@ import click
 from click.testing import CliRunner
 
 from kvtrace.capture.events import DecodeContext
-from kvtrace.fabric import session
-from kvtrace.fabric.kstats import KernelMaps
+from kvtrace.attach import fabric as session
+from kvtrace.capture.kstats import KernelMaps
 from kvtrace.fabric.sysfs import kernel_dev
 from tests.conftest import run_kvtrace
 from tests.sysfs_tree import materialize

@@ -13,7 +13,7 @@ from kvtrace.capture.events import DecodeContext
 from kvtrace.dataset.reader import Dataset
 from kvtrace.errors import DatasetError
 from kvtrace.hook.wire import CODEC, MAGIC
-from kvtrace.pipeline import Pipeline
+from kvtrace.attach.pipeline import Pipeline
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -164,7 +164,7 @@ def test_whatif_refuses_a_cache_it_cannot_allocate(tmp_path, kvtrace_cli):
 
 def test_whatif_memory_bound_names_setting_bytes_and_limit(wds, monkeypatch):
     from kvtrace.analysis import whatif
-    from kvtrace.status import human_bytes
+    from kvtrace.units import human_bytes
 
     monkeypatch.setattr(whatif, "memory_limit", lambda: (1 << 20, "a test limit"))
     with pytest.raises(UsageError) as e:
@@ -302,7 +302,7 @@ def test_raw_out_other_write_errors_name_the_error():
 # A full output disk during attach: the line once (kvtrace.cli prints every KvtraceError)
 
 def test_flush_loop_leaves_the_disk_full_line_to_the_cli():
-    from kvtrace.capture import session
+    from kvtrace.attach import session
 
     class Pipeline:
         def step(self):

@@ -11,8 +11,8 @@ import numpy as np
 
 from kvtrace.capture import nvme
 from kvtrace.capture.events import DecodeContext
-from kvtrace.fabric import session
-from kvtrace.fabric.kstats import KernelMaps
+from kvtrace.attach import fabric as session
+from kvtrace.capture.kstats import KernelMaps
 from tests.sysfs_tree import materialize
 from tests.unit.test_fabric_session import FakeMap, K, qstat
 from tests.unit.test_nvme_probe import Run, cdw

@@ -1,6 +1,6 @@
 """The nvme probe's rules and decoder on tracepoint records laid out for several kernels
 (tests/data/tpformats: 4.19-era, 5.15, 6.1 and 6.18 i.e. 6.8+): records are built from
-each kernel's format file, read back by it (kvtrace.fabric.tpformat), paired by
+each kernel's format file, read back by it (kvtrace.capture.tpformat), paired by
 nvme.Reference (nvme.bpf.c's rules), and decoded by kvtrace.capture.nvme into rows.
 The same format files compile and pass the verifier in tests/privileged/test_fabric.py.
 No root."""
@@ -12,7 +12,8 @@ import pytest
 
 from kvtrace.capture import events, nvme
 from kvtrace.capture.events import DecodeContext
-from kvtrace.fabric import topology, tpformat
+from kvtrace.capture import tpformat
+from kvtrace.fabric import topology
 from kvtrace.fabric.sysfs import kernel_dev
 from tests.sysfs_tree import materialize
 

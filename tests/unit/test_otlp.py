@@ -364,7 +364,7 @@ def test_capture_goes_on_when_the_endpoint_is_down(tmp_path, kvtrace_cli):
 
     from kvtrace.correlate.derive import correlate_tables
     from kvtrace.dataset.reader import Dataset
-    from kvtrace.pipeline import Pipeline
+    from kvtrace.attach.pipeline import Pipeline
 
     tables = synthetic.workload(1500, seed=11)
     batches = [b for _, b in _slices(tables, 30)]

@@ -11,7 +11,7 @@ import types
 import pytest
 
 from kvtrace.capture.events import DecodeContext
-from kvtrace.vllm.restart import ServerWatch
+from kvtrace.attach.restart import ServerWatch
 
 NS = types.SimpleNamespace
 

@@ -354,7 +354,7 @@ def servers():
 
 
 def servers_at(width: int) -> str:
-    from kvtrace.commands.servers import render as render_servers
+    from kvtrace.attach.listing import render as render_servers
 
     con = Console(width=width, record=True, file=io.StringIO())
     render_servers(servers(), con)

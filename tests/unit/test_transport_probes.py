@@ -10,7 +10,7 @@ import pytest
 
 from kvtrace.capture import rdma, tcp
 from kvtrace.capture.events import DecodeContext
-from kvtrace.fabric import tpformat
+from kvtrace.capture import tpformat
 
 FORMATS = Path(__file__).resolve().parents[1] / "data" / "tpformats"
 KERNELS = ["5.15", "6.1", "6.18"]

@@ -10,7 +10,7 @@ import pytest
 from kvtrace.capture import events, program, ulib
 from kvtrace.capture.events import DecodeContext
 from kvtrace.errors import UsageError
-from kvtrace.fabric import session
+from kvtrace.attach import fabric as session
 
 
 def test_planned_only_when_asked(monkeypatch):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtrace.vllm.server import VllmServer, vllm_python
+from kvtrace.demo.server import VllmServer, vllm_python
 from tests import helpers
 
 BLOCK_SIZE = 32

@@ -1,6 +1,6 @@
 """`kvtrace analyze` and `kvtrace whatif` against a real vLLM CPU server.
 
-One shared-prefix workload (kvtrace.vllm.workload, sequential, seed fixed) runs twice, with
+One shared-prefix workload (kvtrace.demo.workload, sequential, seed fixed) runs twice, with
 the agent attached, at two settings:
   A  chunk budget 256 tokens, 640 KV blocks: nothing is evicted, the first prompt hits in full when repeated
   B  chunk budget 512 tokens,  90 KV blocks: evictions, and the repeat misses
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtrace.vllm import workload
-from kvtrace.vllm.server import VllmServer
+from kvtrace.demo import workload
+from kvtrace.demo.server import VllmServer
 
 from .conftest import free_port, vllm_skip_reason
 from .test_hook import Agent, metric_sum

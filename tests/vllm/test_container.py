@@ -16,11 +16,12 @@ import pytest
 
 from kvtrace.dataset.reader import Dataset
 from kvtrace.hook.transport import FLAG_PATH
-from kvtrace.vllm import workload
-from kvtrace.vllm.server import VllmServer, vllm_python
+from kvtrace.demo import workload
+from kvtrace.demo.server import VllmServer, vllm_python
 from tests.helpers import reset_prefix_cache, wait_for
 from tests.vllm.conftest import SERVER_ARGS, free_port, vllm_skip_reason
 from tests.vllm.test_inject import Agent, hook_state
+from tests.vllm_checks import check_requests
 
 pytestmark = pytest.mark.root
 
@@ -83,20 +84,7 @@ def test_namespaced_server_is_traced_and_left_clean(ns_server, tmp_path):
     assert all(s["status"]["installed"] is False for s in hook_state(server))
 
     ds = Dataset.open(tmp_path / "ds")
-    admit = [a for a in ds.table("admit").to_pylist() if a["attempt"] == 0]
-    chunks = ds.table("chunk").to_pylist()
-    by_rid = {r.rid: r for r in results}
-    seen = set()
-    for a in admit:
-        rid = next((k for k in by_rid if a["request"].startswith(f"cmpl-{k}-")), None)
-        if rid is None:
-            continue
-        seen.add(rid)
-        r = by_rid[rid]
-        assert a["cached_local"] + a["cached_external"] == r.cached_tokens and a["prompt_len"] == r.prompt_tokens
-        mine = sorted((c for c in chunks if c["request"] == a["request"] and c["attempt"] == 0), key=lambda c: c["chunk_index"])
-        assert mine[0]["start"] == r.cached_tokens and mine[-1]["start"] + mine[-1]["length"] == r.prompt_tokens
-    assert seen == set(by_rid) and any(r.cached_tokens for r in results)
+    check_requests(ds, results)   # cached tokens equal the responses', chunks tile every prompt
     # the hook's records carry the host's pids (the ones the kernel probes see), not the namespace's
     assert {h["pid"] for h in ds.table("hook_start").to_pylist()} <= set(server.processes()["engine"] + server.processes()["workers"])
 

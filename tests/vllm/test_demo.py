@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtrace.vllm import workload
-from kvtrace.vllm.server import TINY_LLAMA, vllm_python
+from kvtrace.demo import workload
+from kvtrace.demo.server import TINY_LLAMA, vllm_python
 from tests.conftest import run_kvtrace
 
 pytestmark = pytest.mark.root

@@ -26,7 +26,7 @@ import pytest
 from kvtrace.hook.transport import FLAG_PATH
 from kvtrace.hook.vllm_hook import FLUSH_EVERY_NS, HOOK_VERSION
 from kvtrace.hook.wire import RECORDS, kv_step_rows
-from kvtrace.vllm.server import vllm_python
+from kvtrace.demo.server import vllm_python
 
 from tests import helpers
 from tests.helpers import wait_for

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter
 
 import pyarrow as pa
 import pytest
@@ -19,10 +18,11 @@ import pytest
 from kvtrace.dataset.reader import Dataset
 from kvtrace.errors import DatasetError
 from kvtrace.inject import injector
-from kvtrace.vllm import workload
-from kvtrace.vllm.server import VllmServer
+from kvtrace.demo import workload
+from kvtrace.demo.server import VllmServer
 from tests.helpers import reset_prefix_cache, wait_for
 from tests.vllm.conftest import SERVER_ARGS, KvEventSink, free_port, vllm_skip_reason
+from tests.vllm_checks import check_evictions, check_requests, removed_hashes
 
 pytestmark = pytest.mark.root
 
@@ -103,36 +103,9 @@ def test_injected_hook_matches_vllm_and_leaves_on_detach(plain_server, tmp_path)
     assert not workload.send(server.url, server.model, probes[0]).error
 
     ds = Dataset.open(tmp_path / "ds")
-    admit = ds.table("admit").to_pylist()
-    chunks = ds.table("chunk").to_pylist()
-    by_rid = {r.rid: r for r in results}
-    rid_of = lambda req: next((k for k in by_rid if req.startswith(f"cmpl-{k}-")), None)
-    seen = {}
-    for a in admit:
-        rid = rid_of(a["request"])
-        if rid is None or a["attempt"]:
-            continue
-        seen[rid] = a
-        r = by_rid[rid]
-        assert a["cached_local"] + a["cached_external"] == r.cached_tokens, rid
-        assert a["prompt_len"] == r.prompt_tokens
-        mine = sorted((c for c in chunks if c["request"] == a["request"] and c["attempt"] == 0), key=lambda c: c["chunk_index"])
-        assert [c["chunk_index"] for c in mine] == list(range(len(mine)))
-        assert mine[0]["start"] == a["start"] == r.cached_tokens
-        for x, y in zip(mine, mine[1:]):
-            assert x["start"] + x["length"] == y["start"]
-        assert mine[-1]["start"] + mine[-1]["length"] == r.prompt_tokens and mine[-1]["last"] == 1
-    assert set(seen) == set(by_rid)
-    assert any(r.cached_tokens for r in results)  # the shared prefixes hit
-
+    check_requests(ds, results)   # cached tokens equal the responses', chunks tile every prompt
     # evictions: the same multiset of hashes as vLLM's BlockRemoved events while attached
-    removed = Counter()
-    for _, _, (_ts, evs, *_rest) in events.between(t0, t1):
-        for ev in evs:
-            if ev["type"] == "BlockRemoved":
-                removed.update(h & (2**64 - 1) for h in ev["block_hashes"])
-    evicted = Counter(e["block_hash"] for e in ds.table("evict").to_pylist())
-    assert sum(evicted.values()) > 0 and evicted == removed
+    check_evictions(ds, removed_hashes(events.between(t0, t1)))
 
     # a second attach works and does not double events
     agent2 = Agent(server, tmp_path / "ds2")

@@ -18,8 +18,8 @@ import pytest
 
 from kvtrace.dataset.reader import Dataset
 from kvtrace.inject import injector
-from kvtrace.vllm import workload
-from kvtrace.vllm.server import VllmServer
+from kvtrace.demo import workload
+from kvtrace.demo.server import VllmServer
 from tests.vllm.conftest import SERVER_ARGS, free_port, vllm_skip_reason
 
 pytestmark = pytest.mark.root

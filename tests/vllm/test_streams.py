@@ -28,7 +28,7 @@ import pytest
 
 from kvtrace.vllm import discover, kvevents
 from kvtrace.vllm.metrics import MetricsScraper
-from kvtrace.vllm.server import VllmServer, vllm_python
+from kvtrace.demo.server import VllmServer, vllm_python
 from tests.helpers import free_port, wait_for
 
 VENV = Path("/var/cache/kvtrace/vllm-venv")

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from kvtrace.dataset.reader import Dataset
-from kvtrace.vllm import workload
-from kvtrace.vllm.server import VllmServer, vllm_python
+from kvtrace.demo import workload
+from kvtrace.demo.server import VllmServer, vllm_python
 from tests.helpers import reset_prefix_cache
 from tests.packaging import REPO
 from tests.vllm.conftest import SERVER_ARGS, KvEventSink, free_port, vllm_skip_reason

@@ -4,7 +4,7 @@ Load it with::
 
     --kv-transfer-config '{"kv_connector": "KvtraceFileConnector",
                            "kv_role": "kv_both",
-                           "kv_connector_module_path": "kvtrace.vllm.fileconnector",
+                           "kv_connector_module_path": "kvtrace.hook.fileconnector",
                            "kv_connector_extra_config": {"path": "/var/tmp/kvblocks"}}'
 
 It runs inside vLLM (its own interpreter: standard library + torch + vllm), in two halves:

@@ -26,6 +26,7 @@ from kvtrace.capture.events import DecodeContext
 from kvtrace.capture.program import Plan
 from kvtrace.dataset import schema
 from kvtrace.dataset.writer import DatasetWriter
+from kvtrace.correlate.derive import correlate_dataset
 
 # Decode opens before reads so fd→path resolution sees them.
 DECODE_ORDER = [events.KIND_PROC, events.KIND_FDOPEN]
@@ -213,7 +214,6 @@ class Pipeline:
     def derive(self) -> None:
         """Add this run's derived tables (requests, chunks, steps, attributions; kvtrace.correlate)."""
         try:
-            from kvtrace.correlate.derive import correlate_dataset
 
             correlate_dataset(self.writer.root, run=self.writer.run)
         except Exception as e:  # the raw tables are written; `kvtrace correlate DIR` can retry

@@ -3,14 +3,14 @@ traced pid belongs to."""
 from __future__ import annotations
 
 from kvtrace.errors import TargetError, UsageError
+from kvtrace.attach.listing import render
+from kvtrace.vllm import discover as found
 
 
 def choose_server(port: int | None, yes: bool):
     """The one vLLM server to trace when neither --pid nor a command is given."""
-    from kvtrace.commands.servers import render
-    from kvtrace.vllm.discover import discover
 
-    servers = discover()
+    servers = found.discover()
     if port is not None:
         match = [s for s in servers if s.port == port]
         if len(match) == 1:
@@ -31,9 +31,8 @@ def choose_server(port: int | None, yes: bool):
 
 def server_of(pids) -> object | None:
     """The discovered vLLM server one of these pids belongs to, if any."""
-    from kvtrace.vllm.discover import discover
 
-    for server in discover():
+    for server in found.discover():
         if set(pids) & set(server.pids):
             return server
     return None

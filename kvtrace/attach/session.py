@@ -7,11 +7,11 @@ import signal
 import time
 from dataclasses import dataclass, field
 
-from kvtrace.agentflag import AgentFlag
+from kvtrace.attach.agentflag import AgentFlag
 from kvtrace.capture import agg, fdskip, rawfile
 from kvtrace.errors import OutputError
-from kvtrace.fabric import session as fabric
-from kvtrace.status import StatusLine
+from kvtrace.attach import fabric
+from kvtrace.attach.status import StatusLine
 
 
 class Stop:
@@ -27,7 +27,7 @@ class Stop:
         self.reason = signal.Signals(signum).name
 
     def check(self, source, watch=None) -> str | None:
-        """``watch``: the vLLM server's watch (kvtrace.vllm.restart), which decides what its
+        """``watch``: the vLLM server's watch (kvtrace.attach.restart), which decides what its
         processes exiting means; without one, every traced process gone ends the capture."""
         if self.reason:
             return self.reason
@@ -66,11 +66,11 @@ class Capture:
 
 def run(cap: Capture, echo) -> tuple[object, str]:
     """Capture until stopped; returns (pipeline, why it stopped).  ``echo`` prints one line."""
-    from kvtrace import targets
-    from kvtrace.capture import memory
-    from kvtrace.capture.loader import Source
-    from kvtrace.pipeline import Pipeline
-    from kvtrace.vllm.streams import start_vllm_streams
+    from kvtrace.attach import targets  # lazy: start-up cost: the CLI imports attach's options for every command
+    from kvtrace.capture import memory  # lazy: start-up cost: the CLI imports attach's options for every command
+    from kvtrace.capture.loader import Source  # lazy: start-up cost: the CLI imports attach's options for every command
+    from kvtrace.attach.pipeline import Pipeline  # lazy: start-up cost: the CLI imports attach's options for every command
+    from kvtrace.attach.streams import start_vllm_streams  # lazy: start-up cost: the CLI imports attach's options for every command
 
     plan, writer, server = cap.plan, cap.writer, cap.server
     pids = list(cap.pids)
@@ -87,7 +87,7 @@ def run(cap: Capture, echo) -> tuple[object, str]:
                             fresh_pids=(gated.pid,) if gated else (), release_startup=memory.trimming())
         fdskip.start(pipeline, source, list(cap.pids))   # sockets, pipes, eventfds: skipped in the kernel
         if cap.otlp:
-            from kvtrace.otlp.sink import OtlpSink
+            from kvtrace.otlp.sink import OtlpSink  # lazy: start-up cost: the CLI imports attach's options for every command
 
             pipeline.add_sink(OtlpSink(cap.otlp, cap.otlp_protocol, writer.run, writer.host, pipeline.offset,
                                        lateness_s=2 * cap.flush_interval + 1))
@@ -120,7 +120,7 @@ def run(cap: Capture, echo) -> tuple[object, str]:
 
 def _loop(cap: Capture, source, pipeline, server, stop: Stop, gated, echo) -> str:
     """Flush every ``flush_interval`` until ``stop`` says why; then take the hook out."""
-    from kvtrace.inject.session import inject_hook
+    from kvtrace.inject.session import inject_hook  # lazy: start-up cost: the CLI imports attach's options for every command
 
     status = StatusLine(quiet=cap.quiet)
     usermark = "usermark" in cap.plan.attached
@@ -128,7 +128,7 @@ def _loop(cap: Capture, source, pipeline, server, stop: Stop, gated, echo) -> st
     injection = inject_hook(server, cap.inject, usermark, echo, flag)
     watch = None
     if server is not None and server.port is not None:
-        from kvtrace.vllm.restart import ServerWatch
+        from kvtrace.attach.restart import ServerWatch  # lazy: start-up cost: the CLI imports attach's options for every command
 
         reinject = (lambda new: inject_hook(new, cap.inject, True, echo, flag)) if injection is not None else None
         watch = ServerWatch(server, cap.on_restart or "exit", source, pipeline, reinject=reinject,

@@ -2,7 +2,7 @@
 run-time settings (BPF maps), and the sidecars (NVMe topology watcher, kernel-map reader,
 NIC counter poller).
 
-attach.py applies ``options`` to its command; capture/session.py calls ``start(pipeline, source)``.
+attach.py applies ``options`` to its command; attach/session.py calls ``start(pipeline, source)``.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from kvtrace.capture import tcp as tcp_probe
 from kvtrace.dataset import schema
 from kvtrace.fabric import tcpgate, topology
 from kvtrace.fabric.sysfs import kernel_dev
+from kvtrace.errors import UsageError
 
 META = "kvtrace.fabric"
 NVME_MODES = {"sampled": 0, "all": 1, "none": 2}
@@ -83,7 +84,7 @@ def options(f):
             got.pop("nvme_tcp_ports", None)
         opts = Options(**got)
         check(opts)
-        from kvtrace.capture import ulib
+        from kvtrace.capture import ulib  # lazy: start-up cost: the CLI imports attach's options for every command
 
         ulib.requested = parse_uprobes(opts.uprobes)   # the ulib probe is planned only when asked for
         click.get_current_context().meta[META] = opts
@@ -100,8 +101,7 @@ def current_options() -> Options:
 
 
 def parse_uprobes(specs) -> dict[str, str | None]:
-    from kvtrace.capture import ulib
-    from kvtrace.errors import UsageError
+    from kvtrace.capture import ulib  # lazy: start-up cost: the CLI imports attach's options for every command
 
     out = {}
     for spec in specs:
@@ -115,7 +115,6 @@ def parse_uprobes(specs) -> dict[str, str | None]:
 
 
 def check(opts: Options) -> None:
-    from kvtrace.errors import UsageError
 
     if opts.nvme_event_rate < 0 or opts.nvme_slow_us < 0:
         raise UsageError("--nvme-event-rate and --nvme-slow-us must not be negative")
@@ -282,7 +281,7 @@ class TopologyWatcher:
 # ---- default interfaces ------------------------------------------------------------------------
 def fabric_interfaces(topo: topology.Topology | None, root: str = "/") -> list[str]:
     """RDMA netdevs, and the interfaces routes to NVMe-oF (tcp/rdma) targets leave through."""
-    from kvtrace.fabric import counters
+    from kvtrace.fabric import counters  # lazy: start-up cost: the CLI imports attach's options for every command
 
     out = counters.rdma_netdevs(root)
     addrs = sorted({c.traddr for c in (topo.controllers.values() if topo else ()) if c.transport in ("tcp", "rdma") and c.traddr})
@@ -357,8 +356,8 @@ def start(pipeline, source, opts: Options | None = None, echo=None) -> Started:
 
 
 def _start(pipeline, source, opts: Options, echo) -> Started:
-    from kvtrace.fabric import counters
-    from kvtrace.fabric.kstats import KernelMaps
+    from kvtrace.fabric import counters  # lazy: start-up cost: the CLI imports attach's options for every command
+    from kvtrace.capture.kstats import KernelMaps  # lazy: start-up cost: the CLI imports attach's options for every command
 
     out = Started()
     plan = pipeline.plan
@@ -376,7 +375,7 @@ def _start(pipeline, source, opts: Options, echo) -> Started:
             out.notes = [n + " (RTT samples from the first connection on one)" if n.startswith("tcp ports") else n
                          for n in out.notes]
     if bpf is not None and "ulib" in plan.attached:
-        from kvtrace.capture import ulib
+        from kvtrace.capture import ulib  # lazy: start-up cost: the CLI imports attach's options for every command
 
         notes, warns = ulib.attach(bpf, list(getattr(pipeline, "pids", [])), parse_uprobes(opts.uprobes))
         out.notes += notes

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import sys
+from kvtrace.vllm import kvevents
+from kvtrace.vllm.metrics import MetricsScraper
 
 
 def _stderr(line: str) -> None:
@@ -15,8 +17,6 @@ def start_vllm_streams(server, kv_events: str | None, kv_replay: str | None, met
     Explicit --kv-events / --metrics-url win over what discovery found.  An endpoint that
     cannot be reached gives one warning line; capture goes on (the threads keep retrying).
     """
-    from kvtrace.vllm import kvevents
-    from kvtrace.vllm.metrics import MetricsScraper
 
     sidecars, notes = [], []
     root = f"/proc/{server.pid}/root" if server is not None and server.in_container else None

@@ -19,6 +19,7 @@ import psutil
 
 from kvtrace.capture import fdopen
 from kvtrace.host import netns
+from kvtrace.vllm import discover as found
 
 MODES = ("exit", "follow")
 
@@ -60,9 +61,7 @@ class ServerWatch:
         self.out = out
         self.every_s = every_s
         self.clock = clock
-        if discover is None:
-            from kvtrace.vllm.discover import discover
-        self._discover = discover
+        self._discover = discover or found.discover
         self.created = _create_time(server.pid)
         self.state = "attached"
         self.next = 0.0

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtrace.host import privileges, tracefs
+from kvtrace.fabric import counters, topology
 
 OK, MISSING, ABSENT_FINE = "ok", "missing", "absent"
 
@@ -134,7 +135,6 @@ def _kernel_features() -> list[Check]:
 def _fabric(root: str = "/") -> list[Check]:
     """NVMe controllers with their transport and target, RDMA devices with their counters
     (or that there are none), and pyroute2 for the NIC counters."""
-    from kvtrace.fabric import counters, topology
 
     out = []
     topo = topology.scan(root)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import struct
 from dataclasses import dataclass, field
+from kvtrace.host import tracefs
 
 _FIELD = re.compile(r"field:(?P<decl>[^;]+);\s*offset:(?P<off>\d+);\s*size:(?P<size>\d+);\s*signed:(?P<signed>-?\d+);")
 _INT = {1: "b", 2: "h", 4: "i", 8: "q"}
@@ -145,7 +146,6 @@ def read(system: str, event: str, root=None) -> Format | None:
     from pathlib import Path
 
     if root is None:
-        from kvtrace.host import tracefs
 
         root = tracefs.root()
         if root is None:

@@ -3,11 +3,11 @@
 Each reads a file or device in fixed chunks and reports exactly what it did (pid, tid,
 calls, bytes), so a capture can be checked against the workload itself:
 
-    python -m kvtrace.workloads direct   --path /dev/loop0 --chunk 131072 --count 64
-    python -m kvtrace.workloads buffered --path /mnt/f      --chunk 65536
-    python -m kvtrace.workloads uring    --path /dev/loop0 --chunk 131072 --count 64
-    python -m kvtrace.workloads pread-loop --path /dev/shm/f --chunk 4096 --seconds 2
-    python -m kvtrace.workloads mixed    --path /dev/loop0 --chunk 131072 --count 32
+    python -m kvtrace.demo.io direct   --path /dev/loop0 --chunk 131072 --count 64
+    python -m kvtrace.demo.io buffered --path /mnt/f      --chunk 65536
+    python -m kvtrace.demo.io uring    --path /dev/loop0 --chunk 131072 --count 64
+    python -m kvtrace.demo.io pread-loop --path /dev/shm/f --chunk 4096 --seconds 2
+    python -m kvtrace.demo.io mixed    --path /dev/loop0 --chunk 131072 --count 32
 
 io_uring is driven through raw system calls (no liburing), so nothing is compiled.
 """
@@ -183,7 +183,7 @@ def mixed(path: str, chunk: int, count: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvtrace.workloads")
+    ap = argparse.ArgumentParser(prog="python -m kvtrace.demo.io")
     ap.add_argument("mode", choices=["direct", "buffered", "uring", "pread-loop", "mixed"])
     ap.add_argument("--path", required=True)
     ap.add_argument("--chunk", type=int, default=131072)
