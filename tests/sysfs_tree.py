@@ -77,3 +77,17 @@ def materialize(name: str, root: Path, step: int = 0) -> Path:
                 f.write(text)
                 f.truncate()
     return root
+
+
+def mlx5_four_ports(root: Path) -> Path:
+    """rdma-mlx5.tree at step 0 with mlx5_0's PCI function copied twice (mlx5_2, mlx5_3): four
+    mlx5 ports, about 217 counters (the NIC poller's unit test and bench/nic_poll.py)."""
+    root = Path(root)
+    materialize("rdma-mlx5.tree", root, 0)
+    base = root / "sys/devices/pci0000:3a/0000:3a:00.0"
+    for i in (2, 3):
+        shutil.copytree(base / "0000:3b:00.0", base / f"0000:3b:00.{i}", symlinks=True)
+        os.rename(base / f"0000:3b:00.{i}/infiniband/mlx5_0", base / f"0000:3b:00.{i}/infiniband/mlx5_{i}")
+        os.symlink(f"../../devices/pci0000:3a/0000:3a:00.0/0000:3b:00.{i}/infiniband/mlx5_{i}",
+                   root / f"sys/class/infiniband/mlx5_{i}")
+    return root

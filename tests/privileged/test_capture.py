@@ -40,6 +40,17 @@ def only_workload(ds: Dataset, truth: dict) -> None:
     assert ds.problems == []
 
 
+def untimed_within_skips(ds: Dataset, block: list[dict]) -> list[dict]:
+    """The block rows with a latency.  A request has none only when the kernel did not run the
+    completion program for it (another BPF program held that CPU: test_kernel_skips.py), and
+    the kernel counts each such skip in the run's kernel_skips; no more may lack one.  Not ==:
+    the count is per program, over every disk's completions."""
+    (run,) = ds.runs()
+    untimed = [r for r in block if r["latency_ns"] is None]
+    assert len(untimed) <= run["kernel_skips"].get("block:block_rq_complete", 0), (len(untimed), run["kernel_skips"])
+    return [r for r in block if r["latency_ns"] is not None]
+
+
 def test_o_direct_reads_from_a_loop_device(tmp_path, loopdev):
     chunk = 128 * 1024  # below the loop device's max_sectors_kb: one request per read
     assert int(Path(f"/sys/block/{os.path.basename(loopdev)}/queue/max_sectors_kb").read_text()) * 1024 >= chunk
@@ -53,14 +64,18 @@ def test_o_direct_reads_from_a_loop_device(tmp_path, loopdev):
     assert sum(r["bytes"] for r in block) == truth["bytes"] == (after["read_sectors"] - before["read_sectors"]) * 512
     assert sorted(r["sector"] for r in block) == [i * chunk // 512 for i in range(48)]
     assert all(r["pid"] == truth["pid"] and r["tid"] == truth["tid"] for r in block)
-    assert all(r["latency_ns"] > 0 and r["device_ns"] > 0 and r["queue_ns"] >= 0 and r["op"] == "R" for r in block)
+    assert all(r["op"] == "R" for r in block)
+    timed = untimed_within_skips(ds, block)
+    assert all(r["latency_ns"] > 0 and r["device_ns"] > 0 and r["queue_ns"] >= 0 for r in timed)
     # syscall level: the same reads, resolved to the device path
     reads = [r for r in ds.table("file_io").to_pylist() if r["path"] == loopdev]
     assert len(reads) == 48 and sum(r["bytes"] for r in reads) == truth["bytes"]
     assert all(r["tid"] == truth["tid"] and r["latency_ns"] > 0 for r in reads)
     # each block request lies inside the read that caused it, on one clock
     for r, b in zip(sorted(reads, key=lambda r: r["offset"]), sorted(block, key=lambda b: b["sector"])):
-        assert r["start_ns"] <= b["start_ns"] <= b["ts_ns"] <= r["ts_ns"]
+        assert r["start_ns"] <= b["start_ns"] <= r["ts_ns"]
+        if b["latency_ns"] is not None:   # an unseen completion's row is written later
+            assert b["ts_ns"] <= r["ts_ns"]
     only_workload(ds, truth)
 
 
@@ -148,7 +163,8 @@ def test_buffered_reads_after_dropping_the_page_cache(tmp_path, ext4_on_loop):
     kernel_bytes = (after["read_sectors"] - before["read_sectors"]) * 512
     assert size <= block_bytes <= kernel_bytes <= block_bytes + 64 * 1024
     assert len(block) <= after["reads"] - before["reads"] <= len(block) + 16
-    assert all(r["pid"] == truth["pid"] and r["op"] == "R" and r["latency_ns"] > 0 for r in block)
+    assert all(r["pid"] == truth["pid"] and r["op"] == "R" for r in block)
+    assert all(r["latency_ns"] > 0 for r in untimed_within_skips(ds, block))
     only_workload(ds, truth)
 
 
@@ -278,17 +294,29 @@ json.dump(res, open(out, "w"))
 """
 
 
+def skipped_calls(run: dict, *syscalls: str) -> int:
+    """Calls of ``syscalls`` the kernel did not run kvtrace's entry or exit program for (each
+    loses at most one row: a skipped exit's entry is taken by the thread's next call)."""
+    return sum(run["kernel_skips"].get(f"syscalls:sys_{side}_{name}", 0)
+               for name in syscalls for side in ("enter", "exit"))
+
+
 def _check_skipped(ds, truth, f1, f2) -> dict:
     io = ds.table("file_io").to_pylist()
     chatter = [r for r in io if r["path"].startswith(("socket:", "pipe:", "anon_inode:"))]
     assert chatter and all(r["start_ns"] < truth["t1"] for r in chatter)   # none once skipped
     # born not files (eventfd, socketpair, pipe, accept, socket) or open at the attach: not one
-    # row, not even in the first rounds; the dup only in the first 20 rounds, its writes.  Not
-    # exact: on this kernel a syscall's program is now and then not run at all, 1 call in 2000
-    # in CI (where the kernel counts such a skip, it is in the run's kernel_skips:
-    # test_kernel_skips.py)
+    # row, not even in the first rounds; the dup only in the first 20 rounds, its writes.  A
+    # write's program can now and then not be run at all (~1 call in 2000 in CI: syscall
+    # programs are preemptible since 6.14, and one that finds another kvtrace program active on
+    # its CPU is skipped); the kernel counts every such skip in the run's kernel_skips, so a
+    # row may be missing only if the kernel says it skipped at least that many.  Not ==: the
+    # count is per program, over every process's writes (the agent's, the skipped rounds below)
+    (run,) = ds.runs()
+    assert run["lost_events"] == {} and run["dropped_events"] == 0
     assert {r["fd"] for r in chatter} == {truth["dup"]}
-    assert 20 - 1 <= len(chatter) <= 20
+    assert len(chatter) <= 20
+    assert 20 - len(chatter) <= skipped_calls(run, "write"), (len(chatter), run["kernel_skips"])
     files = Counter((r["path"], r["fd"], r["syscall"]) for r in io if r["start_ns"] >= truth["t2"])
     (f1fd,) = {fd for (pth, fd, _) in files if pth == str(f1) and fd != truth["efd"]}
     assert files[(str(f1), f1fd, "pread64")] == 7
@@ -296,7 +324,6 @@ def _check_skipped(ds, truth, f1, f2) -> dict:
     assert files[(str(f1), truth["efd"], "pread64")] == 3
     # the kernel's exact counts hold what was traced: the 500 rounds after the skip are not in them
     assert sum(r["calls"] for r in ds.table("file_agg").to_pylist()) == len(io)
-    (run,) = ds.runs()
     skip = next(s for s in json.loads(run["sidecars"]) if s["name"] == "fd_skip")
     assert skip["skipped_fds"] >= 1   # the dup
     return skip
@@ -341,10 +368,16 @@ def test_descriptors_that_are_not_files_are_skipped_in_the_kernel(tmp_path):
                     FDS_SCRIPT, str(res), str(f1), str(f2), "run", timeout=300)
     assert p.returncode == 0, p.stderr
     truth = json.loads(res.read_text())
-    io = Dataset.open(tmp_path / "all").table("file_io").to_pylist()
+    ds = Dataset.open(tmp_path / "all")
+    (run,) = ds.runs()
+    assert run["lost_events"] == {} and run["dropped_events"] == 0
+    io = ds.table("file_io").to_pylist()
     late = [r for r in io if r["path"].startswith("anon_inode:") and truth["t1"] <= r["start_ns"] <= truth["t2"]]
-    assert 2 * 500 - 10 <= len(late) <= 2 * 500           # eventfd write + read per round (see above)
+    assert len(late) <= 2 * 500           # eventfd write + read per round
     tcp = [r for r in io if r["fd"] in (truth["srv"], truth["cli"]) and truth["t1"] <= r["start_ns"] <= truth["t2"]]
-    assert 2 * 500 - 10 <= len(tcp) <= 2 * 500
+    assert len(tcp) <= 2 * 500
     pipe = [r for r in io if r["fd"] in (truth["dup"], truth["pipe"]) and truth["t1"] <= r["start_ns"] <= truth["t2"]]
-    assert 2 * 500 - 10 <= len(pipe) <= 2 * 500
+    assert len(pipe) <= 2 * 500
+    # every call of the 500 rounds is a row, but for those the kernel says it skipped (see above)
+    missing = 3 * 2 * 500 - len(late) - len(tcp) - len(pipe)
+    assert missing <= skipped_calls(run, "read", "write"), (missing, run["kernel_skips"])

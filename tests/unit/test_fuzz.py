@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtrace.capture import PROBES, events, rawfile, usermark
+from kvtrace.capture import BY_KIND, PROBES, events, rawfile, usermark
 from kvtrace.capture.events import DecodeContext
 from kvtrace.dataset.reader import Dataset
 from kvtrace.errors import DatasetError
@@ -27,13 +27,47 @@ def test_decoders_take_any_bytes(raw, probe):
         assert t.num_rows <= sum(len(r) for r in raw)
 
 
-@FAST
-@given(st.dictionaries(st.integers(0, 15), st.lists(st.binary(max_size=300), max_size=8), max_size=6))
-def test_pipeline_decode_counts_malformed_records(batch):
+def decoding_pipeline():
     p = Pipeline.__new__(Pipeline)
     p.ctx = DecodeContext()
+    return p
+
+
+@FAST
+@given(st.dictionaries(st.integers(0, 15), st.lists(st.binary(max_size=300), max_size=8), max_size=6))
+def test_pipeline_decodes_any_batch(batch):
+    p = decoding_pipeline()
     p.decode(batch)
-    assert p.ctx.malformed >= 0
+    assert p.ctx.malformed <= sum(len(raw) for raw in batch.values())  # at most one per item
+
+
+def marker(payload: bytes, size: int | None = None, n: int | None = None) -> bytes:
+    """A usermark event: its 32-byte header (size, then the payload length n) and payload."""
+    size = 32 + len(payload) if size is None else size
+    return usermark.HDR.pack(events.KIND_USER, 1, size, 0, 1, 100, 100) + struct.pack(
+        "<I", len(payload) if n is None else n) + bytes(4) + payload
+
+
+def test_pipeline_counts_exactly_the_malformed_records():
+    fixed = [pr for pr in PROBES if not getattr(pr, "VARIABLE_SIZE", False)]
+    unknown = sorted(set(range(16)) - set(BY_KIND))
+    assert len(fixed) == 9 and unknown == [0, 11, 12, 13, 14, 15]
+    batch = {}
+    for pr in fixed:  # whole: one record, a run of two; malformed: empty, short, long, a run cut short
+        n = pr.DTYPE.itemsize
+        batch[pr.KIND] = [bytes(n), bytes(2 * n), b"", bytes(n - 1), bytes(n + 1), bytes(2 * n - 3)]
+    for kind in unknown:  # every record of a kind no probe writes
+        batch[kind] = [bytes(8), bytes(136)]
+    good = marker(MAGIC + CODEC.encode("hook_stats", 7, 1, 2, 3, "x"))
+    batch[events.KIND_USER] = [good, good + good,
+                               good[:20],                     # shorter than a header
+                               marker(b"abc", size=64),       # its size runs past the item
+                               marker(b"abc", n=200),         # its payload length does not fit its size
+                               good + good[:-1]]              # a run whose second event is cut
+    p = decoding_pipeline()
+    out = p.decode(batch)
+    assert p.ctx.malformed == 4 * len(fixed) + 2 * len(unknown) + 4
+    assert out["hook_stats"].num_rows == 4
 
 
 @FAST

@@ -3,7 +3,7 @@ topology watcher's periodic scan lists it, and the probe counted its data comman
 512-byte LBAs (its namespace was not in nvme_ns yet).  The decoder has the watcher rescan at
 once, so every row has the transport and target, and bytes are recomputed from nlb and the
 namespace's LBA size (rows and the per-queue totals alike).  Recorded tracepoint records
-(6.1 layout) through nvme.Reference; the sysfs tree appears under the watcher's root
+(6.1 layout) through NvmeReference (tests/bpf_reference.py); the sysfs tree appears under the watcher's root
 after it started.  No root."""
 from __future__ import annotations
 

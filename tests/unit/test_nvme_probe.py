@@ -1,7 +1,7 @@
 """The nvme probe's rules and decoder on tracepoint records laid out for several kernels
 (tests/data/tpformats: 4.19-era, 5.15, 6.1 and 6.18 i.e. 6.8+): records are built from
 each kernel's format file, read back by it (kvtrace.capture.tpformat), paired by
-nvme.Reference (nvme.bpf.c's rules), and decoded by kvtrace.capture.nvme into rows.
+tests.bpf_reference.NvmeReference (nvme.bpf.c's rules), and decoded by kvtrace.capture.nvme into rows.
 The same format files compile and pass the verifier in tests/privileged/test_fabric.py.
 No root."""
 from __future__ import annotations
@@ -15,6 +15,7 @@ from kvtrace.capture.events import DecodeContext
 from kvtrace.capture import tpformat
 from kvtrace.fabric import topology
 from kvtrace.fabric.sysfs import kernel_dev
+from tests.bpf_reference import NvmeReference
 from tests.sysfs_tree import materialize
 
 FORMATS = Path(__file__).resolve().parents[1] / "data" / "tpformats"
@@ -44,7 +45,7 @@ class Run:
     def __init__(self, kernel, **kw):
         self.kernel = kernel
         self.fmt = formats(kernel)
-        self.ref = nvme.Reference(**kw)
+        self.ref = NvmeReference(**kw)
         self.raw = []
 
     def rec(self, event, ts, pid=0, tid=0, comm="", **values):

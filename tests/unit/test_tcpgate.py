@@ -5,6 +5,7 @@ import os
 from kvtrace.capture import tcp
 from kvtrace.capture.events import DecodeContext
 from kvtrace.fabric import tcpgate
+from tests.bpf_reference import TcpReference
 
 HEAD = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
 
@@ -60,7 +61,7 @@ def test_gate_detaches_then_attaches_once_on_the_first_tcp_event(tmp_path):
     ctx = DecodeContext(tcp_seen=gate.wake)
     tcp.decode([], ctx)                      # no event: still off
     assert len(bpf.calls) == 1
-    ref = tcp.Reference()
+    ref = TcpReference()
     ref.feed("inet_sock_set_state", {"protocol": 6, "skaddr": 1, "oldstate": 7, "newstate": 10, "sport": 4420,
                                       "dport": 0, "family": 2, "saddr": [10, 0, 0, 1], "daddr": [0, 0, 0, 0],
                                       "saddr_v6": [0] * 16, "daddr_v6": [0] * 16}, 5)

@@ -1,5 +1,5 @@
 """tcp and rdma probes: records laid out by the 5.15, 6.1 and 6.18 (6.8+) format files,
-filtered and rate-limited by the probes' rules (Reference), decoded into rows; their
+filtered and rate-limited by the probes' rules (tests/bpf_reference.py), decoded into rows; their
 config follows each layout.  No root."""
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from kvtrace.capture import rdma, tcp
 from kvtrace.capture.events import DecodeContext
 from kvtrace.capture import tpformat
+from tests.bpf_reference import RdmaReference, TcpReference
 
 FORMATS = Path(__file__).resolve().parents[1] / "data" / "tpformats"
 KERNELS = ["5.15", "6.1", "6.18"]
@@ -36,7 +37,7 @@ def feed(ref, kernel, system, tp, ts, **values):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_tcp_state_rtt_and_retransmits_on_the_nvme_port(kernel):
-    ref = tcp.Reference(ports=(4420,), probe_interval_ns=10_000_000)
+    ref = TcpReference(ports=(4420,), probe_interval_ns=10_000_000)
     sk = 0xFFFF888012345600
     conn = dict(sport=51234, dport=4420, family=2, saddr=V4("10.10.0.1"), daddr=V4("10.10.0.2"))
     feed(ref, kernel, "sock", "inet_sock_set_state", 1000, skaddr=sk, oldstate=7, newstate=2, protocol=6, **conn)
@@ -91,7 +92,7 @@ def sin(ip, port):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_rdma_connection_events_and_cq_polling(kernel):
-    ref = rdma.Reference()
+    ref = RdmaReference()
     addrs = dict(srcaddr=sin("10.20.0.1", 0), dstaddr=sin("10.20.0.2", 4420))
     fe = lambda tp, ts, **v: feed(ref, kernel, "rdma_core" if tp.startswith("cq_") else "rdma_cma", tp, ts, **v)
     fe("cm_qp_create", 1, cm_id=7, pd_id=3, tos=0, qp_num=0x11, send_wr=128, recv_wr=129, rc=0, qp_type=2, **addrs)

@@ -11,14 +11,22 @@ from kvtrace.capture import events, program, ulib
 from kvtrace.capture.events import DecodeContext
 from kvtrace.errors import UsageError
 from kvtrace.attach import fabric as session
+from kvtrace.host import tracefs
 
 
-def test_planned_only_when_asked(monkeypatch):
+def test_planned_only_when_asked(monkeypatch, tmp_path):
     monkeypatch.setattr(ulib, "requested", {})
     plan = program.plan(None, tp=lambda c, e: True)
     assert plan.skipped["ulib"] == "not asked for (--uprobe ucx|cufile|nixl)"
+    # asked for: planned exactly when the tracefs has uprobe_events (this host's is not used)
     monkeypatch.setattr(ulib, "requested", {"ucx": None})
-    assert ulib.config(lambda c, e: True)[1] in (None, "uprobes unavailable (CONFIG_UPROBE_EVENTS off)")
+    monkeypatch.setattr(tracefs, "root", lambda: tmp_path)
+    unavailable = ([], "uprobes unavailable (CONFIG_UPROBE_EVENTS off)")
+    assert ulib.config(lambda c, e: True) == unavailable
+    (tmp_path / "uprobe_events").touch()
+    assert ulib.config(lambda c, e: True) == ([], None)
+    monkeypatch.setattr(tracefs, "root", lambda: None)   # no tracefs mounted
+    assert ulib.config(lambda c, e: True) == unavailable
 
 
 def test_libraries_are_found_in_the_processes_maps():

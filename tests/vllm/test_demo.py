@@ -64,6 +64,17 @@ def test_vllm_demo_report_matches_its_workload_and_dataset(tmp_path):
     assert len(evicts) == sum(int(m[7]) for m in rows.values())
     assert sum(r["nbytes"] for r in loads) == int(again[8].replace(",", ""))
     assert f"dataset: {out}" in p.stdout
+    # vLLM's own accounts, recorded beside the hook's: its /metrics counters rose by the report's
+    # local and loaded-back tokens, and its KV-event stream removed as many blocks as were evicted
+    rises = {}
+    for r in sorted(ds.table("vllm_metrics").to_pylist(), key=lambda r: r["ts_ns"]):
+        if r["name"] in ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total"):
+            rises.setdefault(r["name"], []).append(r["value"])
+    assert rises["vllm:prefix_cache_hits_total"][-1] - rises["vllm:prefix_cache_hits_total"][0] == sum(int(m[4]) for m in rows.values())
+    assert (rises["vllm:external_prefix_cache_hits_total"][-1] - rises["vllm:external_prefix_cache_hits_total"][0]
+            == sum(int(m[5]) for m in rows.values()))
+    kv = ds.table("kv_events").to_pylist()
+    assert sum(1 for e in kv if e["event"] == "BlockRemoved") == len(evicts)
     print(f"demo: {len(rows)} requests ok; evictions {len(evicts)}; again-g0-r0 cached {again[3]} "
           f"= {again[4]} local + {again[5]} loaded back, {again[8]} bytes")
 
