@@ -3,8 +3,15 @@
 #   sudo make test   - set up, then run every test (privileged ones included)
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# The vLLM releases the hook is proven on, each with a live server (tests/vllm/test_compat.py);
+# `make compat VLLM=0.25.0` tries another.  CI runs the default release (0.32.0, the whole
+# suite) and CI_RELEASE through the same acceptance, and checks the hook's plan on NEWEST's source.
+COMPAT_RELEASES := 0.28.0 0.30.0 0.31.0 0.32.0
+VLLM ?= $(COMPAT_RELEASES)
+CI_RELEASE := 0.28.0
+NEWEST := 0.33.0
 
-.PHONY: setup setup-vllm demo test unit lab bench bench-short clean
+.PHONY: setup setup-vllm setup-ci-releases demo test unit compat lab bench bench-short clean
 
 setup:
 	bash scripts/setup-host
@@ -15,9 +22,20 @@ setup-vllm: setup
 demo: setup-vllm
 	$(VENV)/bin/kvtrace demo
 
-test: setup-vllm
-	$(PY) -m pytest -q -rs tests
+setup-ci-releases: setup-vllm
+	bash scripts/setup-vllm $(CI_RELEASE)
+	bash scripts/setup-vllm-source $(NEWEST)
+
+test: setup-ci-releases
+	KVTRACE_COMPAT=$(CI_RELEASE) $(PY) -m pytest -q -rs tests
 	$(PY) bench/run.py --short
+
+# Every release of VLLM through the live acceptance and the plan checks (about 6 minutes a
+# release once its venv is in /var/cache/kvtrace; installing one takes 3 more)
+compat: setup
+	for v in $(VLLM); do bash scripts/setup-vllm $$v || exit 1; done
+	bash scripts/setup-vllm-source $(NEWEST)
+	KVTRACE_COMPAT="$(VLLM)" $(PY) -m pytest -q -rs tests/vllm/test_compat.py tests/vllm/test_plan.py
 
 unit: setup
 	$(PY) -m pytest -q tests/unit

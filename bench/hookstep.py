@@ -15,6 +15,11 @@ write (`write_cost_us`).
 
     <vllm python> bench/hookstep.py [--short] [--layers N] --rounds 5 --json out.json      (under kvtrace attach)
 
+``--baseline DIR``: the hook of another checkout (``git worktree add DIR REV``) is run too, as
+"detached_baseline" and "attached_baseline", alternated round by round with this one's modes,
+so a change to the hook is measured against the hook before it in one run (the two share this
+checkout's kvtrace.hook.exact, transport and wire, which the hook imports from kvtrace).
+
 Standard library and vLLM only (kvtrace's hook and workload are imported from the repository
 by path).
 """
@@ -158,12 +163,25 @@ def run_stream(new_scheduler, hasher, short: bool, concurrency: int, times: list
     return steps, spent
 
 
+def load_baseline(checkout: str):
+    """The vllm_hook module of another checkout, imported under a name of its own."""
+    import importlib.util
+
+    path = os.path.join(checkout, "kvtrace", "hook", "vllm_hook.py")
+    spec = importlib.util.spec_from_file_location("kvtrace_baseline_hook", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--short", action="store_true", help="the short round of bench/overhead.py --short")
     ap.add_argument("--json")
     ap.add_argument("--layers", type=int, default=2, help="attention layers: wait_for_layer_load calls per Worker step")
+    ap.add_argument("--baseline", help="another checkout whose hook runs too (modes *_baseline)")
     a = ap.parse_args()
     LAYERS[:] = layer_names(a.layers)
     import logging
@@ -179,22 +197,29 @@ def main() -> int:
     attached_possible = transport.agent_alive(live_flag)
     nowhere = tempfile.mkdtemp(prefix="kvtrace-noagent-")   # a flag with no live agent in it
 
+    base = load_baseline(a.baseline) if a.baseline else None
+
     def mode(name: str) -> None:
+        h, other = (base, hook) if name.endswith("_baseline") else (hook, base)
+        if other is not None and other.status()["installed"]:
+            other.uninstall()
         if name == "none":
-            hook.uninstall()
+            h.uninstall()
             return
-        if not hook.status()["installed"]:
-            assert hook.install(roles=["engine", "worker"]), hook.status()
-        hook.T.flag_path = live_flag if name.startswith("attached") else nowhere
-        hook.T.next_check = 0                 # re-read the flag at the next step
+        if not h.status()["installed"]:
+            assert h.install(roles=["engine", "worker"]), h.status()
+        h.T.flag_path = live_flag if name.startswith("attached") else nowhere
+        h.T.next_check = 0                 # re-read the flag at the next step
         # this stand-in's steps take ~0.2 ms, so at the hook's own interval it sends a frame only
         # at the end of a stream; "attached_write_each_step" sends one every step (a real
         # server's ~20 ms steps send one per few): the difference is the cost of a send
         # (the engine's and the worker's wrappers each read their own module's interval)
-        hook.engine.FLUSH_EVERY_NS = hook.worker.FLUSH_EVERY_NS = 0 if name == "attached_write_each_step" else flush_every
+        h.engine.FLUSH_EVERY_NS = h.worker.FLUSH_EVERY_NS = 0 if name == "attached_write_each_step" else flush_every
 
     flush_every = hook.FLUSH_EVERY_NS
     modes = ["none", "detached"] + (["attached", "attached_write_each_step"] if attached_possible else [])
+    if base is not None:
+        modes += ["detached_baseline"] + (["attached_baseline"] if attached_possible else [])
     run_stream(new_scheduler, hasher, a.short, CONCURRENCY, conn=conn)   # warm-up
     per_step = {m: [] for m in modes}
     fastest = {m: None for m in modes}   # per step: its fastest time over the rounds
@@ -210,6 +235,8 @@ def main() -> int:
             fastest[m] = times if f is None or len(f) != len(times) else [min(x, y) for x, y in zip(f, times)]
     emitted = hook.T.emitted
     hook.uninstall()
+    if base is not None:
+        base.uninstall()
     med = {m: statistics.median(v) for m, v in per_step.items()}
     # the cost: per round, this mode's time per step minus the hook-free one's of the same round
     diffs = {m: sorted(x - y for x, y in zip(per_step[m], per_step["none"])) for m in modes if m != "none"}

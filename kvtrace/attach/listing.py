@@ -32,19 +32,22 @@ def _console(stderr: bool):
     return c if c.is_terminal else Console(stderr=stderr, width=200)
 
 
-def render(servers, console=None) -> None:
+def render(servers, console=None, hooks: list[str] | None = None) -> None:
     """The servers as a rich table (to stderr by default, so stdout stays clean for pipes),
     fitted to the console's width: the least needed columns go first (Python, then the Worker
-    and EngineCore pids; `kvtrace servers --json` has them all), then endpoints and models fold."""
+    and EngineCore pids; `kvtrace servers --json` has them all), then endpoints and models fold.
+    ``hooks``: whether the hook supports each server's vLLM ("yes", "no", "?")."""
 
     console = console or _console(stderr=True)
     cols = [Col("API pid", justify="left", wrap="word"), Col("port", justify="left"),
             Col("EngineCore", 3, justify="left", wrap="word"), Col("Workers", 3, justify="left", wrap="word"),
-            Col("Python", 4, justify="left"), Col("vLLM", 1, justify="left"), Col("plugin", 2, justify="left"),
+            Col("Python", 4, justify="left"), Col("vLLM", 1, justify="left"), Col("hook", 1, justify="left"),
+            Col("plugin", 2, justify="left"),
             Col("KV events", 1, justify="left", wrap="fold"), Col("model", justify="left", wrap="fold")]
     rows = [[" ".join(map(str, s.api_pids)), str(s.port) if s.port is not None else "-",
              " ".join(map(str, s.engine_pids)) or "-", " ".join(map(str, s.worker_pids)) or "-",
-             s.python_version or "?", s.vllm_version or "?", {"installed": "yes", "absent": "no"}.get(s.plugin, s.plugin),
-             kv_label(s), (os.path.basename((s.model or "?").rstrip("/")) or s.model) + where(s)] for s in servers]
+             s.python_version or "?", s.vllm_version or "?", h, {"installed": "yes", "absent": "no"}.get(s.plugin, s.plugin),
+             kv_label(s), (os.path.basename((s.model or "?").rstrip("/")) or s.model) + where(s)]
+            for s, h in zip(servers, hooks or ["?"] * len(servers))]
     Term(console, hint="kvtrace servers --json shows them").table(f"vLLM servers ({len(servers)})", cols, rows,
                                                                    title_justify="left")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from kvtrace.errors import TargetError, UsageError
 from kvtrace.attach.listing import render
 from kvtrace.vllm import discover as found
+from kvtrace.vllm import hooksupport
 
 
 def choose_server(port: int | None, yes: bool):
@@ -23,7 +24,7 @@ def choose_server(port: int | None, yes: bool):
         raise UsageError("nothing to trace: no vLLM server found; give --pid PID, or a command after -- (kvtrace attach --out DIR -- CMD)")
     if len(servers) == 1 and (yes or port is not None):
         return servers[0]
-    render(servers)
+    render(servers, hooks=[hooksupport.label(hooksupport.verdict(s)) for s in servers])
     if len(servers) == 1:
         raise UsageError("found 1 vLLM server: pass --yes to attach to it, or pick it with --port PORT / --pid PID")
     raise UsageError(f"found {len(servers)} vLLM servers: pick one with --port PORT or --pid PID")

@@ -118,6 +118,15 @@ def run(cap: Capture, echo) -> tuple[object, str]:
     return pipeline, reason
 
 
+def _verdict(server, cap: Capture) -> dict | None:
+    """The hook's checks of the server's vLLM files, before anything is injected."""
+    if server is None or not cap.inject:
+        return None
+    from kvtrace.vllm import hooksupport  # lazy: start-up cost: the CLI imports attach's options for every command
+
+    return hooksupport.verdict(server)
+
+
 def _loop(cap: Capture, source, pipeline, server, stop: Stop, gated, echo) -> str:
     """Flush every ``flush_interval`` until ``stop`` says why; then take the hook out."""
     from kvtrace.inject.session import inject_hook  # lazy: start-up cost: the CLI imports attach's options for every command
@@ -125,12 +134,13 @@ def _loop(cap: Capture, source, pipeline, server, stop: Stop, gated, echo) -> st
     status = StatusLine(quiet=cap.quiet)
     usermark = "usermark" in cap.plan.attached
     flag = AgentFlag().__enter__() if usermark else None
-    injection = inject_hook(server, cap.inject, usermark, echo, flag)
+    injection = inject_hook(server, cap.inject, usermark, echo, flag, checked=_verdict(server, cap))
     watch = None
     if server is not None and server.port is not None:
         from kvtrace.attach.restart import ServerWatch  # lazy: start-up cost: the CLI imports attach's options for every command
 
-        reinject = (lambda new: inject_hook(new, cap.inject, True, echo, flag)) if injection is not None else None
+        reinject = ((lambda new: inject_hook(new, cap.inject, True, echo, flag, checked=_verdict(new, cap)))
+                    if injection is not None else None)
         watch = ServerWatch(server, cap.on_restart or "exit", source, pipeline, reinject=reinject,
                             echo=echo, out=cap.out)
         pipeline.add_sidecar(watch)

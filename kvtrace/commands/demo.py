@@ -20,7 +20,7 @@ from pathlib import Path
 
 import click
 
-from kvtrace.errors import CaptureError, PrivilegeError
+from kvtrace.errors import CaptureError, KvtraceError, PrivilegeError
 
 
 def _sh(*cmd: str) -> str:
@@ -79,7 +79,11 @@ def vllm_demo(out: Path) -> int:
     args = demo_args(work, zport)
     click.echo("kvtrace demo: starting a vLLM CPU server (tiny random-weight Llama; about a minute)...")
     server = VllmServer(args=args, env={"VLLM_PLUGINS": ""}, workdir=work)
-    server.start()
+    try:
+        server.start()
+    except (RuntimeError, OSError) as e:
+        raise KvtraceError(f"the demo's vLLM server did not start ({server_error(e, server)}); "
+                           f"its log: {server.log_path}") from None
     try:
         click.echo(f"kvtrace demo: vLLM serving on {server.url}; attaching (live injection, no restart)")
         agent = subprocess.Popen([sys.executable, "-m", "kvtrace", "attach", "--quiet", "--port", str(server.port),
@@ -104,6 +108,12 @@ def vllm_demo(out: Path) -> int:
     finally:
         server.stop()
     return vllm_report(Dataset.open(out), results)
+
+
+def server_error(e: Exception, server) -> str:
+    """The last error line vLLM logged, else the exception's first line."""
+    lines = [ln for ln in server.tail(200).splitlines() if "Error" in ln or "error:" in ln]
+    return (lines[-1].split(") ", 1)[-1].strip() if lines else str(e).splitlines()[0])[:300]
 
 
 def vllm_report(ds, results) -> int:

@@ -30,7 +30,9 @@ def find_server(pid: int):
 @click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds to wait for a safe point per process.")
 @click.option("--json", "as_json", is_flag=True)
 def command(pid: int, remove: bool, status_only: bool, timeout: float, as_json: bool) -> int:
-    """Install (default), remove or inspect the vLLM hook in a live server."""
+    """Install (default), remove or inspect the vLLM hook in a live server.  A server whose vLLM
+    differs from what the hook needs is refused in one line naming the first difference, before
+    any process is touched (exit 1)."""
     import os
 
     from kvtrace.inject import injector  # lazy: start-up cost: the CLI imports every command's module (cli._register)
@@ -41,9 +43,18 @@ def command(pid: int, remove: bool, status_only: bool, timeout: float, as_json: 
     if server is None:
         raise TargetError(f"process {pid} is not part of a vLLM server found on this host: not injecting (target untouched)")
     action = "uninstall" if remove else "status" if status_only else "install"
+    checked = None
+    if action == "install":
+        from kvtrace.hook import support  # lazy: start-up cost, as above
+        from kvtrace.vllm import hooksupport  # lazy: start-up cost, as above
+
+        checked = hooksupport.verdict(server)
+        if checked is not None and not checked["supported"]:
+            click.echo(f"kvtrace: vLLM {checked['version'] or '?'} refused by the hook: {support.reason(checked)}", err=True)
+            return 1
     rows = []
     for p, role in [(p, "engine") for p in server.engine_pids] + [(p, "worker") for p in server.worker_pids]:
-        rep = injector.hook(p, action, timeout)
+        rep = injector.hook(p, action, timeout, checked=checked)
         st = rep.get("status") or {}
         rows.append({"pid": p, "role": role, "installed": st.get("installed"), "reused": rep.get("reused"),
                      "reason": rep.get("error") or st.get("reason", ""), "roles": st.get("roles"),

@@ -10,15 +10,23 @@ from kvtrace.attach.listing import _console, render
 @click.command("servers")
 @click.option("--json", "as_json", is_flag=True, help="Print the servers as JSON (one array) on stdout.")
 def command(as_json: bool) -> int:
-    """List running vLLM servers: pids, port, versions, KV-event endpoint, kvtrace plugin."""
+    """List running vLLM servers: pids, port, versions, whether the hook supports their vLLM
+    (and the first thing that differs where it does not), KV-event endpoint, kvtrace plugin."""
     from kvtrace.vllm.discover import discover  # lazy: start-up cost: the CLI imports every command's module (cli._register)
+    from kvtrace.vllm import hooksupport  # lazy: start-up cost, as above
 
     servers = discover()
+    verdicts = [hooksupport.verdict(s) for s in servers]
     if as_json:
-        click.echo(json.dumps([s.to_json() for s in servers], indent=2))
+        click.echo(json.dumps([{**s.to_json(), "hook": hooksupport.to_json(v)} for s, v in zip(servers, verdicts)],
+                              indent=2))
         return 0
     if not servers:
         click.echo("kvtrace: no vLLM server found (looked for `vllm serve` / `python -m vllm.entrypoints...`)", err=True)
         return 0
-    render(servers, _console(stderr=False))
+    console = _console(stderr=False)
+    render(servers, console, hooks=[hooksupport.label(v) for v in verdicts])
+    for s, v in zip(servers, verdicts):
+        if v is None or not v["supported"]:
+            console.print(f"server {s.pid}: {hooksupport.describe(s, v)}", highlight=False, soft_wrap=True)
     return 0

@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 
 DEFAULT_PYTHON = "/var/cache/kvtrace/vllm-venv/bin/python"
+DEFAULT_RELEASE = "0.32.0"   # the release scripts/setup-vllm installs into the default venv
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
     "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -43,6 +44,13 @@ def vllm_python() -> str:
     if os.environ.get("KVTRACE_VLLM_VENV"):
         return os.path.join(os.environ["KVTRACE_VLLM_VENV"], "bin", "python")
     return DEFAULT_PYTHON
+
+
+def release_python(version: str) -> str:
+    """The interpreter of the venv ``scripts/setup-vllm VERSION`` makes for a vLLM release."""
+    if version == DEFAULT_RELEASE:
+        return DEFAULT_PYTHON
+    return f"/var/cache/kvtrace/vllm-{version}-venv/bin/python"
 
 
 def write_tiny_model(directory: str | os.PathLike, config: dict = TINY_LLAMA) -> Path:

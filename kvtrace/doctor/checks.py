@@ -165,6 +165,19 @@ def _fabric(root: str = "/") -> list[Check]:
     return out
 
 
+def _servers() -> list[Check]:
+    """Each vLLM server found here: its vLLM version and whether the hook supports it."""
+    from kvtrace.vllm import discover, hooksupport  # lazy: discovery walks /proc, only doctor's last rows need it
+
+    out = []
+    for info in discover.discover():
+        v = hooksupport.verdict(info)
+        status = OK if v is not None and v["supported"] else MISSING
+        out.append(Check(f"vLLM server {info.pid} (port {info.port})", status, hooksupport.describe(info, v),
+                         "the hook: steps, chunks, hits, evictions, preemptions, KV loads", False))
+    return out
+
+
 def run_all() -> Report:
     report = Report(missing_capabilities=missing_capabilities())
     report.checks.extend(_privileges())
@@ -172,4 +185,5 @@ def run_all() -> Report:
     report.checks.append(_headers())
     report.checks.append(_bcc())
     report.checks.extend(_fabric())
+    report.checks.extend(_servers())
     return report

@@ -75,8 +75,8 @@ def _engine_on(sched) -> None:
         if not hasattr(sched, attr):
             S.broken = f"Scheduler has no attribute {attr!r}"
     pool = getattr(getattr(sched, "kv_cache_manager", None), "block_pool", None)
-    if not S.broken and not hasattr(pool, "cached_block_hashes_by_block"):
-        S.broken = "KVCacheManager.block_pool has no cached_block_hashes_by_block"
+    if not S.broken and pool is None:
+        S.broken = "KVCacheManager has no block_pool"
     if S.broken:
         S.rec = False
         log.warning("kvtrace hook: records off in this process: %s", S.broken)
@@ -117,6 +117,20 @@ def _schedule_pre(self):
     except Exception as e:
         T.error(e)
         return None
+
+
+def _schedule_pre_counting(self):
+    """Scheduler.schedule in a vLLM that does not number its steps (before 0.23: row
+    step_counter of kvtrace.hook.releases): the hook numbers them on the scheduler, as later
+    releases do at the start of schedule(), then goes on as _schedule_pre."""
+    try:
+        self.current_step = self.__dict__.get("current_step", 0)
+    except Exception as e:
+        T.error(e)
+        return None
+    t = _schedule_pre(self)
+    self.current_step += 1
+    return t
 
 
 def _schedule_post(self, t0: int, out) -> None:
@@ -343,6 +357,13 @@ if _kv_r:
         _kv_error(_kv_e)
 return _kv_r
 """
+
+
+# The same, in a vLLM whose cached blocks hold one prefix hash each (before 0.24: row
+# block_hash_sets of kvtrace.hook.releases).
+EVICT_BODY_ONE_HASH = EVICT_BODY.replace("            _kv_extra = self.cached_block_hashes_by_block.get(_kv_bid)\n",
+                                         "            _kv_extra = None\n")
+assert EVICT_BODY_ONE_HASH != EVICT_BODY
 
 
 def _note_evict(pool, bid: int, key: bytes, extra) -> None:

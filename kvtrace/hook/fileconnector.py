@@ -52,7 +52,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 from vllm.logger import init_logger
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtrace.hook import needs, plan, releases
+from kvtrace.hook.source import SourceTree
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -111,16 +113,16 @@ def block_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") ->
     block_size = vllm_config.cache_config.block_size
     if spec.block_size != block_size:
         raise ValueError(f"KV spec block size {spec.block_size} != cache block size {block_size}")
-    hash_bs = kv_cache_config.hash_block_size
+    hash_bs = releases.hash_block_size(kv_cache_config)
     if hash_bs not in (None, block_size):
         raise ValueError(f"prefix-hash block size {hash_bs} != block size {block_size}")
     if vllm_config.parallel_config.world_size != 1:
         raise ValueError("KvtraceFileConnector supports one worker (TP=PP=1)")
     group_layers = set(groups[0].layer_names)
-    layers = [n for t in kv_cache_config.kv_cache_tensors for n in t.layers if n in group_layers]
+    layers = [n for t in kv_cache_config.kv_cache_tensors for n in releases.layer_names(t) if n in group_layers]
     if not layers:
         raise ValueError("no KV cache layers to store")
-    page = spec.unpadded_page_size_bytes
+    page = releases.page_bytes(spec)
     return {
         "format": FORMAT,
         "model": str(vllm_config.model_config.model),
@@ -128,8 +130,8 @@ def block_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") ->
         "block_size": block_size,
         "num_kv_heads": spec.num_kv_heads,
         "head_size": spec.head_size,
-        "head_size_v": spec.head_size_v,
-        "kv_cache_layout": None if kv_cache_config.kv_cache_layout is None else str(kv_cache_config.kv_cache_layout),
+        "head_size_v": releases.value_head_size(spec),
+        "kv_cache_layout": releases.layout_name(kv_cache_config),
         "layers": layers,
         "layer_block_bytes": page,
         "block_bytes": page * len(layers),
@@ -194,6 +196,22 @@ class _Stats:
             self.c["stats_errors"] = self.c.get("stats_errors", 0) + 1
 
 
+_CHECKED: list[str] = []
+
+
+def refuse_unsupported_vllm() -> None:
+    """Raise, naming the first thing that differs, when this vLLM lacks what the connector needs
+    (kvtrace.hook.needs.FILE_CONNECTOR and the rows of kvtrace.hook.releases); checked once."""
+    if not _CHECKED:
+        src = SourceTree.of_imported_vllm()
+        bad = plan.differences(needs.FILE_CONNECTOR, src) + releases.forms(src, releases.CONNECTOR_ROWS)[1]
+        _CHECKED.append(bad[0] if bad else "")
+    if _CHECKED[0]:
+        import vllm
+
+        raise ValueError(f"KvtraceFileConnector does not support vLLM {vllm.__version__}: {_CHECKED[0]}")
+
+
 def _report(direction: str, req_id: str, blocks: int, nbytes: int, t0: int, t1: int, stats: _Stats) -> None:
     if _hook_api is None or blocks == 0:
         return
@@ -209,9 +227,10 @@ def _report(direction: str, req_id: str, blocks: int, nbytes: int, t0: int, t1: 
 class KvtraceFileConnector(KVConnectorBase_V1):
     """File-backed KV block store (see the module docstring)."""
 
-    _cache_hit_source = CacheHitSource.DISK
+    _cache_hit_source = releases.cache_hit_source("DISK")   # used by vLLM 0.32+ only
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        refuse_unsupported_vllm()
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = self._kv_transfer_config
         path = cfg.get_from_extra_config("path", None)
@@ -238,6 +257,7 @@ class KvtraceFileConnector(KVConnectorBase_V1):
             self._requests: dict[str, Request] = {}
             self._lookup: dict[str, int] = {}  # req_id -> first block index of the external hit
             self._loads: list[BlockTransfer] = []
+            self._tracked = releases.block_ids_source()
         else:
             self.stats = _Stats(stats_dir, "worker")
             self._layers: list[tuple[str, torch.Tensor, int]] = []  # name, kv tensor, rows/block
@@ -262,6 +282,7 @@ class KvtraceFileConnector(KVConnectorBase_V1):
         self._requests[request.request_id] = request
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        self._requests[request.request_id] = request   # (vLLM before 0.21 has no on_new_request)
         if not self.do_load:
             return 0, False
         try:
@@ -309,7 +330,8 @@ class KvtraceFileConnector(KVConnectorBase_V1):
         """Every block whose last token gets its KV in this step."""
         bs = self.block_size
         spec = scheduler_output.scheduled_spec_decode_tokens
-        state = scheduler_output.kv_connector_block_state
+        if self._tracked is not None:
+            self._tracked.update(scheduler_output)
         stores = []
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             req = self._requests.get(req_id)
@@ -322,18 +344,27 @@ class KvtraceFileConnector(KVConnectorBase_V1):
             last = min((done + n - len(spec.get(req_id, ()))) // bs, len(req.block_hashes))
             if last <= first:
                 continue
-            ids = state.get_block_ids(req_id) if state is not None else None
-            if ids is None:
-                ids = self._kv_cache_manager.get_block_ids(req_id)
+            ids = self._block_ids(scheduler_output, req_id)
+            if not ids:
+                continue
             ids = ids[0]
             last = min(last, len(ids))
             stores.append(BlockTransfer(req_id, [(ids[i], req.block_hashes[i].hex()) for i in range(first, last)]))
             self.stats.add(planned_store_blocks=last - first)
         return stores
 
+    def _block_ids(self, so: "SchedulerOutput", req_id: str) -> tuple[list[int], ...] | None:
+        if self._tracked is not None:
+            return self._tracked.get(req_id)
+        state = so.kv_connector_block_state
+        ids = state.get_block_ids(req_id) if state is not None else None
+        return ids if ids is not None else self._kv_cache_manager.get_block_ids(req_id)
+
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
         self._lookup.pop(request.request_id, None)
+        if self._tracked is not None:
+            self._tracked.drop(request.request_id)
         return False, None
 
     # ------------------------------------------------------------------ worker side

@@ -1,9 +1,10 @@
 """install() / uninstall() / status() and the choice of roles by process.
 
-install() makes a plan from kvtrace.hook.targets for each role, checks vLLM's version, the
-signatures and data fields the wrappers rely on, and patches only when nothing differs
-(kvtrace.hook.patch).  Never raises: a vLLM that differs is left untouched, with one warning
-naming the difference.
+install() makes a plan from kvtrace.hook.targets for each role: every target of
+kvtrace.hook.needs the role relies on is checked (on vLLM's source, or by the agent before it
+injected the hook: ``checked``), and the wrapped methods on the imported classes.  It patches
+only when nothing differs (kvtrace.hook.patch), whatever vLLM's version.  Never raises: a vLLM
+that differs is left untouched, with one warning naming the first difference.
 """
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import multiprocessing
 import os
 import time
 
-from . import engine, state
+from . import engine, releases, state
 from .patch import _patch
 from .state import HOOK_VERSION, _flush, _vllm_version, record_transfer
-from .targets import PLANS, TESTED_VLLM, _live_connector, _patch_live_connector
+from .source import SourceTree
+from .support import first
+from .targets import PLANS, _live_connector, _patch_live_connector
 
 # (bound by assignment: see kvtrace.hook.engine)
 S, T, W, _REGISTRY, _STATUS, log, _HOT_IN = state.S, state.T, state.W, state._REGISTRY, state._STATUS, state.log, engine._HOT_IN
@@ -34,12 +37,13 @@ def detect_roles() -> list[str]:
     return []
 
 
-def install(roles: list[str] | None = None, live: bool = False) -> bool:
+def install(roles: list[str] | None = None, live: bool = False, checked: dict | None = None) -> bool:
     """Patch vLLM for these roles ("engine", "worker"; default: by process).  Idempotent.
 
-    Returns True when something is patched.  Never raises: a vLLM whose version or method
-    signatures differ from what the hook reads leaves everything untouched and logs one
-    message saying what differs.
+    ``checked``: the agent's verdict on this vLLM's files (kvtrace.hook.support.check), used
+    when those files are unchanged.  Returns True when something is patched.  Never raises: a
+    vLLM that differs from what the hook reads is left untouched, with one message naming
+    the first difference.
     """
     try:
         roles = detect_roles() if roles is None else list(roles)
@@ -55,17 +59,16 @@ def install(roles: list[str] | None = None, live: bool = False) -> bool:
         if _STATUS["installed"] and set(roles) <= set(_STATUS["roles"]):
             return True
         version = _vllm_version()
-        if not version.startswith(TESTED_VLLM) and os.environ.get("KVTRACE_HOOK_ANY_VLLM") != "1":
-            return _inert(f"vLLM {version} is not a tested version ({', '.join(v + 'x' for v in TESTED_VLLM)}); "
-                          "set KVTRACE_HOOK_ANY_VLLM=1 to patch anyway when the signatures match")
+        prior = _still_valid(checked)
         plan, bad = [], []
         for role in ("engine", "worker"):
             if role in roles:
-                p, b = PLANS[role]()
+                p, b = PLANS[role](prior["roles"][role] if prior else None)
                 plan += p
                 bad += b
         if bad:
-            return _inert("; ".join(bad))
+            _STATUS["differences"] = bad
+            return _inert(f"vLLM {version} differs: {first(bad)}")
         for cls, attr, wrap in plan:
             _patch(cls, attr, wrap)
         if "worker" in roles:
@@ -76,13 +79,26 @@ def install(roles: list[str] | None = None, live: bool = False) -> bool:
             api._sink = record_transfer
         except Exception:
             pass
-        _STATUS.update(installed=True, roles=sorted(set(_STATUS["roles"]) | set(roles)), reason="")
+        _STATUS.update(installed=True, roles=sorted(set(_STATUS["roles"]) | set(roles)), reason="", differences=[])
         log.info("kvtrace hook %s installed (%s) on vLLM %s: %d methods wrapped; records flow while a kvtrace agent is attached",
                  HOOK_VERSION, "+".join(roles), version, len(_REGISTRY))
         return True
     except Exception as e:  # never break vLLM start-up
         uninstall()
         return _inert(f"install failed: {type(e).__name__}: {e}")
+
+
+def _still_valid(checked: dict | None) -> dict | None:
+    """The agent's verdict when the files it read are this vLLM's, unchanged; else None."""
+    try:
+        if checked and SourceTree.of_imported_vllm().unchanged(checked["files"]):
+            _STATUS["checked_by"] = "agent"
+            releases.know(checked["releases"])
+            return checked
+    except Exception:
+        pass
+    _STATUS["checked_by"] = "hook"
+    return None
 
 
 def _inert(reason: str) -> bool:

@@ -1,10 +1,9 @@
-"""What the hook patches in vLLM, in one place: for each role the classes and methods it wraps,
-the parameters it expects of each and the wrapper each gets, the fields of vLLM's data classes
-the wrappers read, and the vLLM versions tested.  install() (kvtrace.hook.install) patches
-nothing unless every check made here passes.  This is where differences between vLLM releases
-belong, as one table per release family.  (The wrappers' work, in kvtrace.hook.engine and
-kvtrace.hook.worker, reads further attributes of vLLM's objects; engine._engine_on checks the
-Scheduler's at the first recorded step.)
+"""What the hook patches in vLLM, and with what: the wrapper of each method that
+kvtrace.hook.needs lists, and the plan of each role: its methods with their wrappers, after
+every target of the role passed its check (kvtrace.hook.plan).  install()
+(kvtrace.hook.install) patches nothing unless the whole plan of each of its roles passes.
+Differences between vLLM releases are kvtrace.hook.releases's rows; two of them choose a
+wrapper variant here (engine_wrappers).
 
 vLLM is imported only when a plan is made, inside install(); the patching itself is
 kvtrace.hook.patch.
@@ -13,17 +12,17 @@ from __future__ import annotations
 
 import importlib
 
-from . import state
-from .engine import (ALLOC_PARAMS, ALLOCATE_BODY, EVICT_BODY, _note_admission_alloc, _note_evict, _preempt_post,
-                     _preempt_pre, _schedule_post, _schedule_pre, _update_post, _update_pre)
-from .patch import _original, _patch, _signature_differs
+from . import needs, plan, releases, state
+from .engine import (ALLOC_PARAMS, ALLOCATE_BODY, EVICT_BODY, EVICT_BODY_ONE_HASH, _note_admission_alloc, _note_evict,
+                     _preempt_post, _preempt_pre, _schedule_post, _schedule_pre, _schedule_pre_counting, _update_post,
+                     _update_pre)
+from .patch import _patch, _signature_differs
+from .source import SourceTree
 from .state import _monotonic_ns, exact, inline, why_not, wrapper
 from .worker import (LAYER_BODY, LOAD_BODY, SAVE_BODY, _bind_pre, _layer_done, _load_done, _save_done, _save_end,
                      _timed_pre)
 
 S, T, W, log = state.S, state.T, state.W, state.log   # (bound by assignment: see kvtrace.hook.engine)
-
-TESTED_VLLM = ("0.32.",)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,104 +79,69 @@ def _any_params(pre, post, abort, body=None):
 # EngineCore
 
 
-# (module, class, method, its leading parameters, wrapper factory).  Checked strictly: no other
-# required parameter, and every parameter plain (the wrapper spells them all out).
-ENGINE_METHODS = [
-    ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule", ["self", "throttle_prefills"],
-     _exactly(_schedule_pre, _schedule_post)),
-    ("vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output",
-     ["self", "scheduler_output", "model_runner_output"],
-     _exactly(_update_pre, _update_post, names=("scheduler_output",))),
-    ("vllm.v1.core.sched.scheduler", "Scheduler", "_preempt_request",
-     ["self", "request", "timestamp", "drop_stale_output"],
-     _exactly(_preempt_pre, _preempt_post, names=("request",))),
-    ("vllm.v1.core.kv_cache_manager", "KVCacheManager", "allocate_slots",
-     ["self", "request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks"],
-     _inlined(ALLOCATE_BODY, ALLOC_PARAMS)),
-    ("vllm.v1.core.block_pool", "BlockPool", "_maybe_evict_cached_block", ["self", "block"],
-     _inlined(EVICT_BODY, ("block",))),
-]
-
-# Fields the engine wrappers read off vLLM's own data classes (dataclasses of this module).
-ENGINE_FIELDS = ("vllm.v1.core.sched.output", {
-    "SchedulerOutput": ["scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens",
-                        "total_num_scheduled_tokens", "preempted_req_ids", "finished_req_ids"],
-    "CachedRequestData": ["resumed_req_ids"],
-    "NewRequestData": ["req_id"],
-})
+def engine_wrappers() -> dict:
+    """The wrapper factory of each method of needs.ENGINE_METHODS, by its label.  Two rows of
+    kvtrace.hook.releases choose a variant: step_counter (before 0.23 the hook numbers the
+    scheduler's steps) and block_hash_sets (before 0.24 a cached block holds one hash)."""
+    return {
+        "Scheduler.schedule": _exactly(_schedule_pre if releases.has("step_counter") else _schedule_pre_counting,
+                                       _schedule_post),
+        "Scheduler.update_from_output": _exactly(_update_pre, _update_post, names=("scheduler_output",)),
+        "Scheduler._preempt_request": _exactly(_preempt_pre, _preempt_post, names=("request",)),
+        "KVCacheManager.allocate_slots": _inlined(ALLOCATE_BODY, ALLOC_PARAMS),
+        "BlockPool._maybe_evict_cached_block": _inlined(EVICT_BODY if releases.has("block_hash_sets")
+                                                        else EVICT_BODY_ONE_HASH, ("block",)),
+    }
 
 
 def _class(module: str, name: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
-def engine_plan() -> tuple[list, list[str]]:
-    """([(class, method, wrapper factory)], what differs from what the wrappers expect)."""
-    plan, bad = [], []
-    for module, cls_name, attr, want, wrap in ENGINE_METHODS:
-        cls = _class(module, cls_name)
-        why = _signature_differs(cls.__dict__.get(attr), want) or wrap.why_not(_original(cls, attr))
+def role_plan(methods, reads, wrappers: dict, checked: list[str] | None) -> tuple[list, list[str]]:
+    """([(class, method, wrapper factory)], what differs: "target: what", the first first).
+    ``checked``: the source check's differences when the agent already made it on these very
+    files (kvtrace.hook.install), else None: the check is made here.  The wrapped methods are
+    also checked on the imported classes, which their wrappers are made from."""
+    bad = list(checked) if checked is not None else plan.differences(methods + reads, SourceTree.of_imported_vllm())
+    items = []
+    for m in methods:
+        if any(b.startswith(m.label + ":") for b in bad):
+            continue
+        cls = _class(m.module, m.cls)
+        wrap = wrappers[m.label]
+        why = m.live() or getattr(wrap, "why_not", lambda f: None)(plan._original(cls, m.name))
         if why:
-            bad.append(f"{cls.__name__}.{attr} {why}")
-        plan.append((cls, attr, wrap))
-    return plan, bad + _engine_data_checks()
+            bad.append(f"{m.label}: {why}")
+        items.append((cls, m.name, wrap))
+    return items, bad
 
 
-def _engine_data_checks() -> list[str]:
-    import dataclasses
-
-    module, want = ENGINE_FIELDS
-    output = importlib.import_module(module)
-    bad = []
-    for cls_name, fields in want.items():
-        cls = getattr(output, cls_name, None)
-        have = {f.name for f in dataclasses.fields(cls)} if cls is not None and dataclasses.is_dataclass(cls) else set()
-        for f in fields:
-            if f not in have:
-                bad.append(f"{cls_name}.{f} is missing")
-    return bad
+def engine_plan(checked=None) -> tuple[list, list[str]]:
+    return role_plan(needs.ENGINE_METHODS, needs.ENGINE_READS, engine_wrappers(), checked)
 
 
 # ---------------------------------------------------------------------------------------------
 # Worker: the connector API, on each connector's own class
 
 
-# method -> (its leading parameters, wrapper factory): with its own parameters where they are
-# all plain (kvtrace.hook.exact; wait_for_layer_load runs once per layer and step), else through
-# *args/**kwargs (start_load_kv takes **kwargs in vLLM's base class).  Checked leniently (other
-# parameters may follow), on the base class at install and on each connector class patched.
+# The connector API (needs.CONNECTOR_API) -> its wrapper factory: with the method's own
+# parameters where they are all plain (kvtrace.hook.exact; wait_for_layer_load runs once per
+# layer and step), else through *args/**kwargs (start_load_kv takes **kwargs in vLLM's base
+# class).  Checked on the base class with the worker's plan and on each connector class patched.
 CONNECTOR_METHODS = {
-    "bind_connector_metadata": (["self", "connector_metadata"], _any_params(_bind_pre, _nothing_after, _nothing)),
-    "start_load_kv": (["self", "forward_context"], _any_params(_timed_pre, _load_done, _load_done, LOAD_BODY)),
-    "wait_for_layer_load": (["self", "layer_name"], _any_params(_timed_pre, _layer_done, _layer_done, LAYER_BODY)),
-    "wait_for_save": (["self"], _any_params(_timed_pre, _save_done, _save_done, SAVE_BODY)),
+    "bind_connector_metadata": _any_params(_bind_pre, _nothing_after, _nothing),
+    "start_load_kv": _any_params(_timed_pre, _load_done, _load_done, LOAD_BODY),
+    "wait_for_layer_load": _any_params(_timed_pre, _layer_done, _layer_done, LAYER_BODY),
+    "wait_for_save": _any_params(_timed_pre, _save_done, _save_done, SAVE_BODY),
 }
-CONNECTOR_BASE = ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorBase_V1")
-# the classmethod that makes each connector (patched: it patches the class of what it returns)
-CONNECTOR_FACTORY = ("vllm.distributed.kv_transfer.kv_connector.factory", "KVConnectorFactory",
-                     "create_connector", ["cls", "config", "role"])
-# where a connector made before install() is (live injection)
-LIVE_CONNECTOR = ("vllm.distributed.kv_transfer.kv_transfer_state", "_KV_CONNECTOR_AGENT")
+_API = {m.name: m for m in needs.CONNECTOR_API}
 
 
-def worker_plan() -> tuple[list, list[str]]:
-    """([(class, method, wrapper factory)], what differs from what the wrappers expect)."""
-    base = _class(*CONNECTOR_BASE)
-    module, cls_name, attr, want = CONNECTOR_FACTORY
-    factory = _class(module, cls_name)
-    bad = []
-    for name, (params, _) in CONNECTOR_METHODS.items():
-        why = _signature_differs(getattr(base, name, None), params, strict=False)
-        if why:
-            bad.append(f"{base.__name__}.{name} {why}")
-    raw = factory.__dict__.get(attr)
-    if not isinstance(raw, classmethod):
-        bad.append(f"{cls_name}.{attr} is not a classmethod")
-    else:
-        why = _signature_differs(raw.__func__, want, strict=False)
-        if why:
-            bad.append(f"{cls_name}.{attr} {why}")
-    return [(factory, attr, _wrap_create_connector)], bad
+def worker_plan(checked=None) -> tuple[list, list[str]]:
+    """The connector factory, patched to patch the class of each connector it makes."""
+    return role_plan(needs.WORKER_METHODS, needs.WORKER_READS,
+                     {"KVConnectorFactory.create_connector": _wrap_create_connector}, checked)
 
 
 def _wrap_create_connector(orig_func):
@@ -197,21 +161,20 @@ def _wrap_create_connector(orig_func):
 
 def _patch_connector_class(cls: type) -> None:
     bad = []
-    for name, (want, _) in CONNECTOR_METHODS.items():
-        why = _signature_differs(getattr(cls, name, None), want, strict=False)
+    for name in CONNECTOR_METHODS:
+        why = _signature_differs(getattr(cls, name, None), list(_API[name].params), strict=False)
         if why:
             bad.append(f"{cls.__name__}.{name} {why}")
     if bad:
         log.warning("kvtrace hook: KV connector %s not traced: %s", cls.__name__, "; ".join(bad))
         return
-    for name, (_, wrap) in CONNECTOR_METHODS.items():
+    for name, wrap in CONNECTOR_METHODS.items():
         _patch(cls, name, wrap)
 
 
 def live_connector():
     """The connector vLLM made in this process before install(), if any."""
-    module, name = LIVE_CONNECTOR
-    return getattr(importlib.import_module(module), name, None)
+    return getattr(importlib.import_module(needs.STATE), "_KV_CONNECTOR_AGENT", None)
 
 
 def _live_connector():

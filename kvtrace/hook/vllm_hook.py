@@ -12,9 +12,12 @@ hook's face; its parts, by role:
               KVCacheManager.allocate_slots, BlockPool._maybe_evict_cached_block
   worker.py   Worker wrappers: the KV connector API (bind_connector_metadata, start_load_kv,
               wait_for_layer_load, wait_for_save) and the Worker's delayed sender thread
-  targets.py  what is patched in vLLM: classes, methods, expected signatures, wrappers, the
-              data fields read, the tested vLLM versions
-  patch.py    signature checks and the patch registry
+  needs.py    what the hook needs of vLLM, target by target (methods, fields, attributes,
+              calls); plan.py checks each kind, on vLLM's source (source.py) and live
+  releases.py what differs between supported releases, one row each, and its adapters
+  support.py  the verdict for a vLLM source tree, as the agent gives it before injecting
+  targets.py  what is patched in vLLM and with which wrapper, once a role's plan passes
+  patch.py    the patch registry
   install.py  install / uninstall / status, roles by process
 
 Rules: a wrapper never raises into vLLM (errors are counted and reported in hook_stats), never
@@ -60,7 +63,7 @@ _install = importlib.import_module(_PKG + ".install")
 # The hook's interface (the plugin, the injector's loader, kvtrace.hook.api's sink)
 install, uninstall, status, detect_roles = _install.install, _install.uninstall, _install.status, _install.detect_roles
 set_owner, record_transfer = state.set_owner, state.record_transfer
-HOOK_VERSION, TESTED_VLLM = state.HOOK_VERSION, targets.TESTED_VLLM
+HOOK_VERSION = state.HOOK_VERSION
 # read-only here: engine.FLUSH_EVERY_NS and worker.FLUSH_EVERY_NS are the ones the wrappers read
 FLUSH_EVERY_NS, FLUSH_RECORDS = state.FLUSH_EVERY_NS, state.FLUSH_RECORDS
 

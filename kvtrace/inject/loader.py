@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 TEMPLATE = r'''
-def _kvtrace_loader(hook_dir, result_path, action, owner):
+def _kvtrace_loader(hook_dir, result_path, action, owner, checked):
     import json, os, sys, time
     res = {"pid": os.getpid(), "t_ns": time.monotonic_ns(), "action": action}
     try:
@@ -32,7 +32,10 @@ def _kvtrace_loader(hook_dir, result_path, action, owner):
             pass
         elif action == "install":
             was = bool(mod.status().get("installed"))
-            res["installed"] = bool(mod.install(live=True))
+            try:
+                res["installed"] = bool(mod.install(live=True, checked=checked))
+            except TypeError:  # a hook of an earlier kvtrace (a plugin's) takes no verdict
+                res["installed"] = bool(mod.install(live=True))
             res["reused"] = was
             if res["installed"] and owner and not was:
                 mod.set_owner(owner)  # a hook this injection installed leaves with its agent
@@ -47,13 +50,24 @@ def _kvtrace_loader(hook_dir, result_path, action, owner):
     with open(tmp, "w") as f:
         json.dump(res, f, default=str)
     os.replace(tmp, result_path)
-_kvtrace_loader(@HOOK_DIR@, @RESULT@, @ACTION@, @OWNER@)
+_kvtrace_loader(@HOOK_DIR@, @RESULT@, @ACTION@, @OWNER@, @CHECKED@)
 del _kvtrace_loader
 '''
 
 
-def render(hook_dir: str, result_path: str, action: str, owner: int = 0) -> str:
+def render(hook_dir: str, result_path: str, action: str, owner: int = 0, checked: dict | None = None) -> str:
     """owner: the agent's pid; a hook this injection installs removes itself when it exits
-    (a hook that was already there, e.g. the plugin's, stays)."""
+    (a hook that was already there, e.g. the plugin's, stays).  checked: the agent's verdict
+    on the target's vLLM source (kvtrace.hook.support.check), or None."""
     return (TEMPLATE.replace("@HOOK_DIR@", json.dumps(hook_dir)).replace("@RESULT@", json.dumps(result_path))
-            .replace("@ACTION@", json.dumps(action)).replace("@OWNER@", str(int(owner))))
+            .replace("@ACTION@", json.dumps(action)).replace("@OWNER@", str(int(owner)))
+            .replace("@CHECKED@", repr(_plain(checked))))
+
+
+def _plain(checked: dict | None) -> dict | None:
+    """What the hook reads of a verdict, as a Python literal (no JSON true/false/null)."""
+    if not checked:
+        return None
+    return {"files": {k: list(v) for k, v in checked["files"].items()},
+            "roles": {r: list(d) for r, d in checked["roles"].items()},
+            "releases": {k: bool(v) for k, v in checked["releases"].items()}}

@@ -2,8 +2,10 @@
 a capture, and take it out again at the end.
 
 Only processes discovery identified as the EngineCore or a Worker of a vLLM API server are
-ever touched.  A process where the hook refuses (other vLLM version, signatures differ) or
-injection fails is reported with the reason; the rest of the capture goes on without it.
+ever touched, and only when the server's vLLM passes the hook's checks, read from its files
+beforehand (kvtrace.vllm.hooksupport, handed in as ``checked``): a vLLM that differs is refused in one line naming the
+first difference, and nothing is injected.  A process where injection fails is reported with
+the reason.  Either way the rest of the capture goes on without the hook.
 """
 from __future__ import annotations
 
@@ -12,7 +14,10 @@ from dataclasses import dataclass, field
 import psutil
 
 from kvtrace.errors import KvtraceError, TargetError
+from kvtrace.hook import support
 from kvtrace.inject import injector
+
+SIGNALS = "steps, chunks, hits, evictions, preemptions, KV connector loads and stores"
 
 
 @dataclass
@@ -29,6 +34,7 @@ class InjectionSession:
     server: object  # kvtrace.vllm.discover.VllmServerInfo
     timeout: float = 10.0
     results: list[Injected] = field(default_factory=list)
+    checked: dict | None = None   # kvtrace.hook.support.check of the server's vLLM
 
     def targets(self) -> list[tuple[int, str]]:
         return [(p, "engine") for p in self.server.engine_pids] + [(p, "worker") for p in self.server.worker_pids]
@@ -42,7 +48,7 @@ class InjectionSession:
 
     def _one(self, pid: int, role: str, action: str) -> Injected:
         try:
-            rep = injector.hook(pid, action, self.timeout)
+            rep = injector.hook(pid, action, self.timeout, checked=self.checked if action == "install" else None)
         except KvtraceError as e:
             return Injected(pid, role, False, reason=str(e))
         if rep.get("error"):
@@ -66,18 +72,22 @@ class InjectionSession:
         return [f"{r.role} {r.pid}: no vLLM hook ({r.reason})" for r in self.results if not r.installed]
 
 
-def inject_hook(server, inject: bool, usermark: bool, echo, flag=None) -> InjectionSession | None:
+def inject_hook(server, inject: bool, usermark: bool, echo, flag=None, checked: dict | None = None) -> InjectionSession | None:
     """Inject the vLLM hook for a capture (unless refused or --no-inject); say through ``echo``
     which signals are missing and why.  ``flag``: the capture's AgentFlag, also put where a
-    server in its own mount namespace (a container) looks for it."""
+    server in its own mount namespace (a container) looks for it.  ``checked``: the hook's
+    verdict on the server's vLLM files (kvtrace.hook.support.check), None when unread."""
     if server is None:
         return None
     if not inject or not usermark:
         why = "--no-inject" if not inject else "the usermark probe is not attached"
-        echo(f"kvtrace: vLLM signals missing (steps, chunks, hits, evictions, KV loads): {why}; "
-             "kernel probes, KV events and /metrics still run")
+        echo(f"kvtrace: vLLM signals missing ({SIGNALS}): {why}; kernel probes, KV events and /metrics still run")
         return None
-    session = InjectionSession(server)
+    if checked is not None and not checked["supported"]:
+        echo(f"kvtrace: vLLM {checked['version'] or '?'} refused by the hook: {support.reason(checked)}")
+        echo(f"kvtrace: vLLM signals missing ({SIGNALS}); kernel probes, KV events and /metrics still run")
+        return None
+    session = InjectionSession(server, checked=checked)
     if flag is not None:
         for pid, _ in session.targets():
             flag.add_root(f"/proc/{pid}/root")

@@ -76,6 +76,11 @@ def _resolve_arg0(fs: _Fs, arg0: str, cwd: str | None, env: dict) -> str | None:
 def _site_candidates(fs: _Fs, pid: int, arg0: str | None, exe: str | None, xy: str | None, env: dict) -> tuple[list[str], str | None]:
     """(site-packages directories to look in, venv root or None)."""
     cands: list[str] = []
+    # PYTHONPATH comes before site-packages in the import path: a vLLM there is the one imported
+    # (its mapped libraries may be links into a site-packages)
+    for pp in (env.get("PYTHONPATH") or "").split(":"):
+        if pp.startswith("/") and fs.exists(f"{pp}/vllm/__init__.py"):
+            cands.append(pp)
     maps = _mapped_paths(pid)
     for m in maps:
         hit = re.search(r"^(.*/(?:site|dist)-packages)/vllm/", m)

@@ -357,7 +357,7 @@ def servers_at(width: int) -> str:
     from kvtrace.attach.listing import render as render_servers
 
     con = Console(width=width, record=True, file=io.StringIO())
-    render_servers(servers(), con)
+    render_servers(servers(), con, hooks=["yes", "no", "?"])
     return con.export_text()
 
 
@@ -377,9 +377,10 @@ def test_servers_at_80_columns():
     assert_fits(text, 80)
     (t,) = parse_tables(text)
     assert_nothing_truncated([t])
-    assert t["headers"] == ["API pid", "port", "vLLM", "plugin", "KV events", "model"]
-    assert left_out(t["note"]) == ["EngineCore", "Workers", "Python"]
+    assert t["headers"] == ["API pid", "port", "vLLM", "hook", "KV events", "model"]
+    assert left_out(t["note"]) == ["EngineCore", "Workers", "Python", "plugin"]
     assert column(t, "port") == ["8000", "18001", "8002"]
+    assert column(t, "hook") == ["yes", "no", "?"]
     assert column(t, "model") == ["Llama-3.1-8B-Instruct", "Llama-3.1-8B-Instruct [container, own network net:[4026532451]]",
                                   "Qwen2.5-0.5B"]
     assert column(t, "KV events")[2].replace(" ", "") == "ipc:///tmp/vllm-kv-events.sock"
@@ -389,5 +390,6 @@ def test_servers_at_200_columns():
     text = servers_at(200)
     assert_fits(text, 200)
     (t,) = parse_tables(text)
-    assert t["headers"] == ["API pid", "port", "EngineCore", "Workers", "Python", "vLLM", "plugin", "KV events", "model"]
+    assert t["headers"] == ["API pid", "port", "EngineCore", "Workers", "Python", "vLLM", "hook", "plugin", "KV events",
+                            "model"]
     assert not t["note"] and column(t, "Workers")[0] == "1234569 1234570 1234571 1234572"
