@@ -55,6 +55,11 @@ COLUMNS: dict[str, list[tuple[str, str, str]]] = {
                       ("block_size", "block_size", "I"), ("prompt_len", "prompt_len", "I"),
                       ("max_output", "max_output", "I"), ("num_blocks", "num_blocks", "I"),
                       ("first", "first_block", "I"), ("hashes", "hashes", "HL")],
+    "token_causes": [("engine_pid", "pid", "I"), ("request", "request", "S"), ("attempt", "attempt", "I"),
+                     ("step", "step", "I"), ("token_start", "seg_start", "I"), ("token_end", "seg_end", "I"),
+                     ("tokens", "tokens", "I"), ("cause", "cause", "S"), ("block_hash", "block_hash", "H"),
+                     ("evicted_by", "evicted_by", "S"), ("distance_blocks", "distance_blocks", "I"),
+                     ("distance_ns", "distance_ns", "I")],
     "block_io": [("ts_ns", "ts_ns", "I"), ("start_ns", "start_ns", "I"), ("pid", "pid", "I"), ("disk", "disk", "S"),
                  ("op", "op", "S"), ("bytes", "bytes", "I"), ("error", "error", "I"), ("queue_ns", "queue_ns", "I"),
                  ("device_ns", "device_ns", "I"), ("latency_ns", "latency_ns", "I"), ("weight", "weight", "I")],
@@ -99,7 +104,7 @@ def scan(root) -> Inputs:
     _drop_keyless(inp)
     _require(inp, ds)
     ds.go_on()
-    for t in ("arrive", "prompt_blocks", "kv_load", "evict"):
+    for t in ("arrive", "prompt_blocks", "kv_load", "evict", "token_causes"):
         if not inp.has(t):
             inp.gaps.append(GAP_TEXT[t])
     return inp
@@ -136,6 +141,7 @@ def _require(inp: Inputs, ds: Dataset) -> None:
 GAP_TEXT = {
     "arrive": "no arrive records: queueing before a request's first chunk and TTFT start at its first step, not its arrival",
     "prompt_blocks": "no prompt_blocks records: in-flight sharing, eviction re-references and whatif need prompt block hashes (hook 12+)",
+    "token_causes": "no token_causes table: the miss causes come from `kvtrace correlate DIR` (a clean stop of attach runs it)",
     "kv_load": "no kv_load records: storage wait is 0 and reload cost unknown (no KV connector, or it was not traced)",
     "evict": "no evict records: no eviction seen (cache never full) or the hook's evict wrapper was off",
 }

@@ -14,6 +14,11 @@ STORAGE_PATH = ("path LIKE '/%' AND NOT (path LIKE '/proc/%' OR path LIKE '/sys/
                 "OR path LIKE '/dev/dm-%' OR path LIKE '/dev/md%' OR path LIKE '/dev/mapper/%')))")
 
 
+CAUSES = ("hit_local", "hit_external", "miss_cold", "miss_unseen", "miss_evicted", "miss_inflight", "miss_tail",
+          "miss_other_key", "miss_not_looked_up")   # kvtrace.correlate.causes.CAUSES
+CAUSE_COLUMNS = ", ".join(f"SUM(CASE WHEN cause = '{c}' THEN tokens ELSE 0 END) AS {c}" for c in CAUSES)
+
+
 def pct(col: str, name: str, ps=(0.5, 0.95, 0.99)) -> str:
     return ", ".join(f"percentile_disc({p}) WITHIN GROUP (ORDER BY {col}) AS {name}_p{int(round(p * 100))}" for p in ps)
 
@@ -238,6 +243,22 @@ FIGURES: dict[str, str] = {
         MIN(dt_ns) AS dt_min, MAX(dt_ns) AS dt_max FROM reref""",
     "reref_hist": f"""SELECT bucket, outcome, COUNT(*) AS blocks FROM (SELECT {DT_BUCKET.format(x='dt_ns')} AS bucket, outcome
         FROM reref) t GROUP BY bucket, outcome ORDER BY bucket, outcome""",
+    # ---- why tokens missed (token_causes, kvtrace.correlate.causes) ----
+    "causes_total": """SELECT CASE WHEN attempt = 0 THEN 'first' ELSE 'readmission' END AS admission, cause,
+        COUNT(DISTINCT run || ' ' || request || ' ' || CAST(attempt AS STRING)) AS admissions, SUM(tokens) AS tokens
+        FROM token_causes GROUP BY CASE WHEN attempt = 0 THEN 'first' ELSE 'readmission' END, cause
+        ORDER BY admission, cause""",
+    "causes_requests": f"""SELECT run, request, SUM(tokens) AS prompt_len, {CAUSE_COLUMNS}
+        FROM token_causes WHERE attempt = 0 GROUP BY run, request ORDER BY run, request""",
+    "causes_by_index": """SELECT c.chunk_index, t.cause,
+        SUM(LEAST(t.seg_end, c.tok_start + c.tok_len) - GREATEST(t.seg_start, c.tok_start)) AS tokens
+        FROM chk c JOIN token_causes t ON t.run = c.run AND t.pid = c.pid AND t.request = c.request
+          AND t.attempt = c.attempt AND t.seg_start < c.tok_start + c.tok_len AND t.seg_end > c.tok_start
+        WHERE c.attempt = 0 AND t.cause NOT LIKE 'hit%'
+        GROUP BY c.chunk_index, t.cause ORDER BY c.chunk_index, t.cause""",
+    "evicted_misses": f"""SELECT COUNT(*) AS blocks, SUM(tokens) AS tokens, {pct('distance_blocks', 'dblocks', (0.5, 0.9))},
+        {pct('distance_ns', 'dt', (0.5, 0.9))}, COUNT(DISTINCT evicted_by) AS evicting_requests
+        FROM token_causes WHERE cause = 'miss_evicted' AND block_hash <> 0""",
     # ---- time per chunk ----
     "chunk_time": """SELECT COUNT(*) AS chunks, COALESCE(SUM(queue_ns), 0) AS queue_ns, COALESCE(SUM(sched_ns), 0) AS sched_ns,
         COALESCE(SUM(storage_ns), 0) AS storage_ns, COALESCE(SUM(compute_ns), 0) AS compute_ns,

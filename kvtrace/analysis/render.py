@@ -202,6 +202,7 @@ def terminal(rep: dict, console: Console | None = None, rows: int = 10, wide: bo
     _header(t, rep)
     _reuse(t, rep, rows)
     _chunking(t, rep)
+    _misses(t, rep, rows)
     _timing(t, rep)
     _slowest(t, rep, rows)
     _storage(t, rep, rows)
@@ -245,6 +246,36 @@ def _chunking(t: Term, rep: dict) -> None:
     rows.append(["eviction → re-reference p50 / p90 / p99 (ms)", f"{ms(d['dt_p50'])} / {ms(d['dt_p90'])} / {ms(d['dt_p99'])}"])
     t.table(f"Chunking versus blocks (block size {rep['block_size']})",
             [Col("figure", justify="left", wrap="word"), Col("value", wrap="word")], rows)
+
+
+MISS_LABEL = {"miss_cold": "cold", "miss_unseen": "unseen", "miss_evicted": "evicted", "miss_inflight": "in flight",
+              "miss_tail": "tail", "miss_other_key": "other key", "miss_not_looked_up": "not looked up"}
+
+
+def _misses(t: Term, rep: dict, rows: int) -> None:
+    m = rep["misses"]
+    if not m["tokens"]:
+        return
+    kinds = [k for k in MISS_LABEL if m["first"].get(k)]
+    t.table(f"Why prompt tokens missed ({m['requests']:,} requests, first admissions)",
+            [Col("cause", justify="left"), Col("tokens"), Col("share of prompt tokens")],
+            [["hit (local)", num(m["first"]["hit_local"]), pct(m["shares"]["hit_local"])],
+             ["hit (storage)", num(m["first"]["hit_external"]), pct(m["shares"]["hit_external"])]]
+            + [[MISS_LABEL[k], num(m["first"][k]), pct(m["shares"][k])] for k in kinds])
+    ra, ev = m["readmissions"], m["evicted"]
+    if ra["admissions"]:
+        t.prose("  after preemption", f"{ra['admissions']} re-admissions: {ra['found_again']:,} tokens found again, "
+                f"{ra['recomputed']:,} recomputed")
+    if ev["blocks"]:
+        t.prose("  evicted blocks needed", f"{ev['blocks']:,} blocks, evicted p50 {num(ev['distance_blocks_p50'])} "
+                f"evictions / {ms((ev['distance_s_p50'] or 0) * 1e9)} ms before, by {ev['evicting_requests']} requests")
+    if kinds:
+        t.table("Missed tokens by chunk index (first admissions)", [Col("chunk index")] + [Col(MISS_LABEL[k], 1) for k in kinds],
+                [[str(x["chunk_index"])] + [num(x.get(k, 0)) for k in kinds] for x in m["by_chunk_index"][:rows]])
+    per = [r for r in m["per_request"] if any(r.get(k) for k in kinds)]
+    if per and t.wide:
+        t.table("Why each request's prompt tokens missed", [Col("request", justify="left")] + [Col(MISS_LABEL[k]) for k in kinds],
+                [[r["request"]] + [num(r[k]) for k in kinds] for r in per[:rows]])
 
 
 def _timing(t: Term, rep: dict) -> None:
@@ -505,6 +536,10 @@ def to_html(rep: dict) -> str:
                                   "local_rate", "external_rate")}]),
         "<p>Not counted as hits:</p>", table([r["not_counted"]]),
         table(r["per_request"], ["request", "prompt_len", "cached_local", "cached_external", "hit_rate", "readmissions", "readmit_reused"]),
+        "<h2>Why prompt tokens missed (first admissions)</h2>",
+        table([{k: rep["misses"]["first"][k] for k in rep["misses"]["first"]}]),
+        table(rep["misses"]["by_chunk_index"]), table([rep["misses"]["evicted"]]),
+        table(rep["misses"]["per_request"]),
         "<h2>Chunking versus blocks</h2>", table([ch["partial_blocks"] | ch["prompt_tails"]]),
         "<h3>Prefixes shared with in-flight requests</h3>", table(ch["inflight"]["rows"]),
         "<h3>Evictions</h3>", table([{k: ch["evictions"][k] for k in ("evictions", "rereferenced", "thrash_blocks", "thrash_tokens", "thrash_rate")}]),

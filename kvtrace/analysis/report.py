@@ -145,6 +145,7 @@ def build(rows: dict[str, list[dict]], inp: load.Inputs) -> dict:
     rep["reuse"] = reuse = _reuse(rows, one)
     pt = reuse["prompt_tokens"]
     rep["chunking"] = _chunking(rows, one, pt)
+    rep["misses"] = _misses(rows, one)
     rep["timing"] = _timing(rows, one)
     rep["reload_vs_recompute"] = _reload_vs_recompute(rows, one)
     rep["prefetch"] = _prefetch(rows, one, gaps)
@@ -160,9 +161,10 @@ def _normalised(rep: dict) -> dict:
     """``rep`` through _norm, but for the long per-row lists: they hold integers and text from SQL
     (ratios rounded where they are made) and are kept as they are."""
     big = {"per_request": rep["reuse"].pop("per_request"), "per_chunk": rep["timing"].pop("per_chunk"),
-           "ttft_per_request": rep["service"].pop("ttft_per_request")}
+           "ttft_per_request": rep["service"].pop("ttft_per_request"), "miss_requests": rep["misses"].pop("per_request")}
     rep = _norm(rep)
     rep["reuse"]["per_request"] = big["per_request"]
+    rep["misses"]["per_request"] = big["miss_requests"]
     rep["timing"]["per_chunk"] = big["per_chunk"]
     rep["service"]["ttft_per_request"] = big["ttft_per_request"]
     return rep
@@ -226,6 +228,42 @@ def _chunking(rows: dict[str, list[dict]], one: dict[str, dict], pt: int) -> dic
             "distance": {k: dist.get(k) for k in ("n", "dt_p50", "dt_p90", "dt_p99", "steps_p50", "steps_p90", "dt_min", "dt_max")},
             "histogram": rows["reref_hist"],
         },
+    }
+
+
+CAUSES = queries.CAUSES
+MISSES = CAUSES[2:]
+
+
+def _misses(rows: dict[str, list[dict]], one: dict[str, dict]) -> dict:
+    """Why each prompt token missed (token_causes): first admissions, in total and by chunk
+    index; re-admissions after preemption; the evicted blocks' distances."""
+    first = {c: 0 for c in CAUSES}
+    again = {c: 0 for c in CAUSES}
+    n_first = n_again = 0
+    for r in rows["causes_total"]:
+        d = first if r["admission"] == "first" else again
+        d[r["cause"]] = d.get(r["cause"], 0) + (r["tokens"] or 0)
+    tokens = sum(first.values())
+    by_index: dict[int, dict] = {}
+    for r in rows["causes_by_index"]:
+        by_index.setdefault(r["chunk_index"], {"chunk_index": r["chunk_index"], **{c: 0 for c in MISSES}})[r["cause"]] = r["tokens"]
+    ev = one["evicted_misses"]
+    n_first = len(rows["causes_requests"])
+    n_again = max((r["admissions"] for r in rows["causes_total"] if r["admission"] == "readmission"), default=0)
+    return {
+        "requests": n_first, "tokens": tokens, "first": first,
+        "shares": {c: _ratio(v, tokens) for c, v in first.items()},
+        "missed_tokens": sum(first[c] for c in MISSES),
+        "readmissions": {"admissions": n_again, "tokens": sum(again.values()), "found_again": again["hit_local"] + again["hit_external"],
+                         "recomputed": sum(again[c] for c in MISSES), "causes": again},
+        "by_chunk_index": [by_index[k] for k in sorted(by_index)],
+        "evicted": {"blocks": ev.get("blocks") or 0, "tokens": ev.get("tokens") or 0,
+                    "distance_blocks_p50": ev.get("dblocks_p50"), "distance_blocks_p90": ev.get("dblocks_p90"),
+                    "distance_s_p50": (ev["dt_p50"] / 1e9) if ev.get("dt_p50") is not None else None,
+                    "distance_s_p90": (ev["dt_p90"] / 1e9) if ev.get("dt_p90") is not None else None,
+                    "evicting_requests": ev.get("evicting_requests") or 0},
+        "per_request": rows["causes_requests"],
     }
 
 
@@ -402,6 +440,11 @@ def headline(rep: dict) -> list[str]:
     if r["hit_rate"] is not None:
         out.append(f"KV reuse: {100 * r['hit_rate']:.2f}% of {r['prompt_tokens']:,} prompt tokens hit at admission "
                    f"({100 * (r['local_rate'] or 0):.2f}% local prefix cache, {100 * (r['external_rate'] or 0):.2f}% storage)")
+    m = rep["misses"]
+    if m["tokens"]:
+        top = sorted(((v, k) for k, v in m["first"].items() if k.startswith("miss_") and v), reverse=True)
+        out.append(f"why tokens missed: {m['missed_tokens']:,} of {m['tokens']:,} prompt tokens: "
+                   + ", ".join(f"{k.removeprefix('miss_').replace('_', ' ')} {v:,}" for v, k in top))
     inf, ev = c["inflight"], c["evictions"]
     out.append(f"chunking: {c['partial_blocks']['mid_block_ends']} of {c['partial_blocks']['chunks_not_last']} non-final chunks "
                f"ended mid-block ({c['partial_blocks']['partial_tokens']:,} tokens in partial blocks); "

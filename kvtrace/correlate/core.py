@@ -19,6 +19,8 @@ sliding window) and offline (kvtrace.correlate.derive, on a whole run).  The rul
 * NVMe commands (nvme_cmd: setup -> completion, weighted by their sampling weight) and NIC
   counter deltas (nic_counters: the polling interval before ts_ns) go to every step their
   interval overlaps, ``time_overlap``, with share = the overlapped fraction of the interval.
+* Every token of every admission gets its miss cause (or hit) from a replay of the prefix
+  cache over the final steps (kvtrace.correlate.causes).
 
 Each rule is a stage in kvtrace.correlate.stages (one module per stage, each a pure function
 of the pass's Context and earlier stages' outputs); correlate() below runs them in order.
@@ -30,7 +32,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from kvtrace.correlate.causes import CacheReplay, Segment
 from kvtrace.correlate.stages.attributions import attributions
+from kvtrace.correlate.stages.causes import STRUCTURE, cache_causes, with_chunk_causes
 from kvtrace.correlate.stages.chunk_table import chunk_rows, chunk_sums, chunks_table
 from kvtrace.correlate.stages.chunks import Chunks, index_chunks
 from kvtrace.correlate.stages.context import Context, context
@@ -75,18 +79,21 @@ class Result:
     finishes: list[dict] = field(default_factory=list)
     done: dict[str, np.ndarray] = field(default_factory=dict)  # per input table: rows decided
     nvme_groups: list[dict] = field(default_factory=list)    # NVMe commands per step and queue, for chunk spans
+    segments: list[Segment] = field(default_factory=list)   # the miss causes of the final admissions
 
 
 def correlate(tables: dict[str, pa.Table], run: str = "", final_before: int | None = None,
-              horizon: int | None = None, io_span_bytes: int = 1 << 20) -> Result:
+              horizon: int | None = None, io_span_bytes: int = 1 << 20, replay: CacheReplay | None = None) -> Result:
     """Attribute the rows of ``tables`` (one run of one host).
 
     final_before: only steps that ended before this time are finalised (live use); None = all.
     horizon: rows that start before it and fall in no step are final too (default final_before).
     io_span_bytes: block I/O at least this large gets its own span; smaller ones are aggregated
     per transfer, device and direction.
+    replay: the prefix-cache replay of the miss causes, kept over passes (live use); None = new.
     """
     ctx = context(tables, run, final_before, horizon, io_span_bytes)
+    replay = replay if replay is not None else CacheReplay()
     # placement: each event's step, request, chunk and transfer
     traces = trace_ids(ctx)
     chunks = index_chunks(ctx)
@@ -95,20 +102,22 @@ def correlate(tables: dict[str, pa.Table], run: str = "", final_before: int | No
     ev, pr = evictions(ctx, chunks), preemptions(ctx, chunks)
     ov = overlaps(ctx)
     nvme = nvme_commands(ctx, transfers)
+    req = request_records(ctx, chunks)
+    segments = cache_causes(ctx, chunks, ev, pr, req.finish_final, replay)
     # the derived tables
     per_step = step_aggregates(ctx, transfers, kio)
     steps_tbl = steps_table(ctx, per_step, chunks, ev, pr, ov)
     step_nv = step_nvme(ctx, nvme, ov, chunks)
-    chunks_tbl = chunks_table(chunks, chunk_sums(chunks, transfers, kio, ev, pr),
-                              chunk_rows(ctx, chunks, traces, per_step, ov, step_nv))
+    chunks_tbl = with_chunk_causes(chunks_table(chunks, chunk_sums(chunks, transfers, kio, ev, pr),
+                                                chunk_rows(ctx, chunks, traces, per_step, ov, step_nv)), replay)
     attributions_tbl = attributions(ctx, chunks, transfers, kio, ev, pr, nvme, ov)
     # what the spans and the request accumulators need
     tr_spans, io_groups = spans(ctx, chunks, transfers, kio, nvme)
-    req = request_records(ctx, chunks)
     return Result(steps=steps_tbl, chunks=chunks_tbl, attributions=attributions_tbl, transfers=tr_spans,
                   io_groups=io_groups, evicts=evict_records(ev, chunks), preempts=preempt_records(pr, chunks),
                   admits=req.admits, arrives=req.arrives, finishes=req.finishes,
-                  done=decided(ctx, chunks, transfers, kio, ev, pr, ov, nvme, req), nvme_groups=step_nv.groups)
+                  done=decided(ctx, chunks, transfers, kio, ev, pr, ov, nvme, req), nvme_groups=step_nv.groups,
+                  segments=segments)
 
 
 def decided(ctx: Context, chunks: Chunks, transfers: Transfers, kio: dict[str, KernelIO], ev: Evictions,
@@ -121,4 +130,5 @@ def decided(ctx: Context, chunks: Chunks, transfers: Transfers, kio: dict[str, K
     n_load = transfers.n_load
     return {"step": ctx.final, "admit": chunks.admit_final, "finish": req.finish_final, "chunk": chunks.final,
             "evict": ev.final, "preempt": pr.final, "kv_load": transfers.final[:n_load],
-            "kv_store": transfers.final[n_load:], **{name: k.decided(ctx.horizon) for name, k in kio.items()}, **over}
+            "kv_store": transfers.final[n_load:], **{name: k.decided(ctx.horizon) for name, k in kio.items()}, **over,
+            **{name: np.ones(ctx.tables[name].num_rows, bool) for name in STRUCTURE if name in ctx.tables}}

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from kvtrace.correlate.causes import table_rows
 from kvtrace.correlate.core import Result, correlate
 from kvtrace.correlate.inputs import OVERLAP_PREFIXES, TABLES_USED
 from kvtrace.correlate.requests import Acc, Requests, request_row, requests_table, trace_info
@@ -20,7 +21,7 @@ from kvtrace.errors import DatasetError, UsageError
 from kvtrace import __version__
 from kvtrace.dataset.writer import _write
 
-DERIVED = ("requests", "chunks", "steps", "attributions")
+DERIVED = ("requests", "chunks", "steps", "attributions", "token_causes")
 HOOK_NEEDED = ("step", "chunk", "admit")  # vLLM's records without which there is nothing to derive
 
 
@@ -103,8 +104,9 @@ def correlate_run(root, info: RunInfo, io_span_bytes: int = 1 << 20) -> RunCorre
 
 
 def derived_tables(rc: RunCorrelation) -> dict[str, pa.Table]:
+    causes = pa.Table.from_pydict(table_rows(rc.result.segments), schema=schema.TABLES["token_causes"])
     return {"requests": rc.requests, "chunks": rc.result.chunks, "steps": rc.result.steps,
-            "attributions": rc.result.attributions}
+            "attributions": rc.result.attributions, "token_causes": causes}
 
 
 ON_FULL = "kvtrace correlate stopped; the raw tables are untouched (run kvtrace correlate again once there is space)"

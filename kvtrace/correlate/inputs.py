@@ -48,7 +48,9 @@ KERNEL = {
     "processes": {"pid": "u4", "event": "O", "child_pid": "u4"},
 }
 COLUMNS = {**HOOK, **KERNEL}
-TABLES_USED = tuple(COLUMNS)
+# The hook's records the miss-cause replay reads whole (kvtrace.correlate.stages.causes).
+STRUCTURE = ("prompt_blocks", "resume_blocks", "prompt_plain", "lookup", "cached")
+TABLES_USED = tuple(COLUMNS) + STRUCTURE
 # NVMe commands and NIC counter deltas (kvtrace.capture.nvme, kvtrace.fabric) go to the steps they overlap.
 OVERLAP_PREFIXES = ("nvme_cmd", "nic_counters")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from kvtrace.correlate.causes import CacheReplay
 from kvtrace.correlate.core import Result, correlate
 from kvtrace.correlate.inputs import OVERLAP_PREFIXES, TABLES_USED
 from kvtrace.correlate.requests import Acc, Requests, trace_info
@@ -34,6 +35,7 @@ class LiveCorrelator:
         self.dropped_rows = 0
         self.passes = 0
         self.closed: dict[str, Acc] = {}
+        self.replay = CacheReplay()   # the prefix cache, kept over passes for the miss causes
 
     def wanted(self, name: str) -> bool:
         return name in TABLES_USED or name.startswith(OVERLAP_PREFIXES)
@@ -79,7 +81,8 @@ class LiveCorrelator:
         self.passes += 1
         w = None if now_ns is None else now_ns - self.lateness
         h = self.horizon(w)
-        res = correlate(self.buf, self.run, final_before=w, horizon=h, io_span_bytes=self.io_span_bytes)
+        res = correlate(self.buf, self.run, final_before=w, horizon=h, io_span_bytes=self.io_span_bytes,
+                        replay=self.replay)
         self.requests.add(res)
         for name, done in res.done.items():
             t = self.buf.get(name)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from kvtrace.correlate import ids
+from kvtrace.correlate.causes import MISSES, causes_of
 from kvtrace.correlate.core import Result
 
 
@@ -25,6 +26,7 @@ class Acc:
     preempts: list = field(default_factory=list)     # this request was preempted
     evicts: int = 0                                  # blocks evicted by this request's allocations
     transfers: list = field(default_factory=list)    # named KV transfers (spans and totals)
+    segments: list = field(default_factory=list)     # its tokens by miss cause (kvtrace.correlate.causes)
     last_ns: int = 0                                 # last activity (monotonic)
 
 
@@ -78,6 +80,8 @@ class Requests:
                 a = self._acc(t["request"], t["engine_pid"])
                 a.transfers.append(t)
                 a.last_ns = max(a.last_ns, t["t_end_ns"])
+        for seg in res.segments:
+            self._acc(seg.request, seg.engine_pid).segments.append(seg)
         for f in res.finishes:
             a = self._acc(f["request"], f["engine_pid"])
             if a.finish is None:
@@ -117,6 +121,7 @@ REQUEST_SCHEMA = pa.schema([
     ("storage_wait_ns", pa.int64()), ("compute_ns", pa.int64()), ("finished", pa.bool_()),
     ("joined_trace", pa.bool_()), ("trace_id", pa.string()), ("span_id", pa.string()),
     ("parent_span_id", pa.string()),
+    *[(c, pa.uint32()) for c in MISSES], ("readmit_recomputed_tokens", pa.uint32()),
 ])
 
 
@@ -165,7 +170,16 @@ def request_row(run: str, a: Acc) -> dict:
         "storage_wait_ns": sum(c["storage_wait_ns"] for c in chunks), "compute_ns": sum(c["compute_ns"] for c in chunks),
         "finished": a.finish is not None, "joined_trace": joined, "trace_id": trace.hex(),
         "span_id": ids.request_span(trace, a.request).hex(), "parent_span_id": parent.hex(),
+        **_causes(a),
     }
+
+
+def _causes(a: Acc) -> dict:
+    """The first admission's misses by cause; the tokens recomputed at re-admissions."""
+    by = causes_of(a.segments)
+    first = by.get(0, {})
+    again = sum(v for att, d in by.items() if att > 0 for k, v in d.items() if k in MISSES)
+    return {**{c: first.get(c, 0) for c in MISSES}, "readmit_recomputed_tokens": again}
 
 
 def requests_table(run: str, accs: list[Acc], rows: list[dict] | None = None) -> pa.Table:

@@ -152,6 +152,17 @@ TABLES: dict[str, pa.Schema] = {
         ("readmit_cached_tokens", u32), ("evicted_blocks", u32), ("load_count", u32), ("load_bytes", u64),
         ("load_ns", i64), ("store_count", u32), ("store_bytes", u64), ("storage_wait_ns", i64), ("compute_ns", i64),
         ("finished", b), ("joined_trace", b), ("trace_id", s), ("span_id", s), ("parent_span_id", s),
+        # the first admission's prompt tokens by miss cause (with cached_local and cached_external
+        # they sum to prompt_len; kvtrace.correlate.causes), and after preemptions the tokens
+        # found again and recomputed
+        ("miss_cold", u32), ("miss_unseen", u32), ("miss_evicted", u32), ("miss_inflight", u32), ("miss_tail", u32),
+        ("miss_other_key", u32), ("miss_not_looked_up", u32), ("readmit_recomputed_tokens", u32),
+    ]),
+    # Every admission's tokens in runs of one cause (kvtrace.correlate.causes): a hit or why it missed.
+    "token_causes": pa.schema([
+        ("engine_pid", u32), ("request", s), ("attempt", u32), ("step", u64), ("token_start", u32),
+        ("token_end", u32), ("tokens", u32), ("cause", d), ("block_hash", u64), ("evict_ns", u64), ("evicted_by", s),
+        ("distance_blocks", u32), ("distance_ns", i64), ("computing", s),
     ]),
     "chunks": pa.schema([
         ("engine_pid", u32), ("step", u64), ("request", s), ("attempt", u32), ("chunk_index", i32),
@@ -164,6 +175,9 @@ TABLES: dict[str, pa.Schema] = {
         ("nvme_commands", f64), ("nvme_bytes", f64), ("nvme_latency_avg_ns", f64), ("nvme_latency_max_ns", i64),
         ("t_start_ns", u64), ("t_end_ns", u64), ("bottleneck", d), ("trace_id", s), ("span_id", s),
         ("parent_span_id", s),
+        # the tokens this chunk computed, by why they missed (kvtrace.correlate.causes)
+        ("miss_cold", u32), ("miss_unseen", u32), ("miss_evicted", u32), ("miss_inflight", u32), ("miss_tail", u32),
+        ("miss_other_key", u32), ("miss_not_looked_up", u32),
     ]),
     "steps": pa.schema([
         ("engine_pid", u32), ("step", u64), ("t_start_ns", u64), ("t_sched_end_ns", u64), ("t_end_ns", u64),

@@ -82,6 +82,8 @@ def _engine_on(sched) -> None:
         log.warning("kvtrace hook: records off in this process: %s", S.broken)
     _new_agent(S)
     _hook_start("engine")
+    if S.rec:
+        _snapshot(sched)
 
 
 def _engine_off() -> None:
@@ -107,6 +109,8 @@ def _schedule_pre(self):
             t0 = _monotonic_ns()
         elif T.next_check != S.seen_check and _new_agent(S):
             _hook_start("engine")
+            if S.rec:
+                _snapshot(self)
             t0 = _monotonic_ns()
         if S.broken:
             return None
@@ -125,6 +129,7 @@ def _schedule_pre_counting(self):
     releases do at the start of schedule(), then goes on as _schedule_pre."""
     try:
         self.current_step = self.__dict__.get("current_step", 0)
+        S.counting = True   # (so the step before an attach cannot tell whether it served before)
     except Exception as e:
         T.error(e)
         return None
@@ -174,6 +179,10 @@ def _after_schedule(sched, so, t0: int, t1: int) -> None:
             if rid in new_ids and attempt == 0:
                 _arrive(step, rid, req, t1)
                 _prompt_blocks(sched, step, rid, req)
+            elif attempt:
+                _resume_blocks(sched, step, rid, req, attempt)
+            if req.skip_reading_prefix_cache or req.lora_request is not None or req.cache_salt or req.mm_features:
+                _lookup(sched, step, rid, req, attempt)
             st = tracked[rid] = [0, prefill_len, attempt]
         elif st is None:  # attached after this request's first chunk
             if len(tracked) >= MAX_TRACKED:
@@ -226,7 +235,7 @@ PROMPT_PIECE = 448  # hashes per prompt_blocks record (3,584 bytes: one record f
 def _prompt_blocks(sched, step: int, rid: str, req) -> None:
     """prompt_blocks records: the prompt's block-hash chain (64-bit KV-event form), never token ids."""
     try:
-        bs = int(getattr(sched, "hash_block_size", 0) or sched.block_size)
+        bs = _hash_size(sched)
         n_prompt = req.num_prompt_tokens
         from_bytes = int.from_bytes   # & M64 of the big-endian int: its last 8 bytes
         hashes = [from_bytes(h[-8:], "big") for h in req.block_hashes[:n_prompt // bs]]
@@ -234,6 +243,73 @@ def _prompt_blocks(sched, step: int, rid: str, req) -> None:
         for first in range(0, max(len(hashes), 1), PROMPT_PIECE):
             _enqueue(("prompt_blocks", step, rid, bs, n_prompt, max_out, len(hashes), first,
                       hashes[first:first + PROMPT_PIECE]))
+    except Exception as e:
+        T.error(e)
+
+
+def _hash_size(sched) -> int:
+    return int(getattr(sched, "hash_block_size", 0) or sched.block_size)
+
+
+def _resume_blocks(sched, step: int, rid: str, req, attempt: int) -> None:
+    """resume_blocks: at a re-admission, the hashes of the request's blocks past its prompt."""
+    try:
+        bs = _hash_size(sched)
+        first = req.num_prompt_tokens // bs
+        from_bytes = int.from_bytes
+        hashes = [from_bytes(h[-8:], "big") for h in req.block_hashes[first:req.num_tokens // bs]]
+        for i in range(0, len(hashes), PROMPT_PIECE):
+            _enqueue(("resume_blocks", step, rid, min(attempt, 0xFFFF), first + i, hashes[i:i + PROMPT_PIECE]))
+    except Exception as e:
+        T.error(e)
+
+
+def _lookup(sched, step: int, rid: str, req, attempt: int) -> None:
+    """lookup (and prompt_plain for a keyed first admission): a lookup that differs from plain."""
+    try:
+        keyed = 1 if (req.lora_request is not None or req.cache_salt or req.mm_features) else 0
+        _enqueue(("lookup", step, rid, min(attempt, 0xFFFF), 1 if req.skip_reading_prefix_cache else 0, keyed))
+        if keyed and attempt == 0:
+            hashes = _plain_chain(sched, req)
+            for i in range(0, len(hashes), PROMPT_PIECE):
+                _enqueue(("prompt_plain", step, rid, i, hashes[i:i + PROMPT_PIECE]))
+    except Exception as e:
+        T.error(e)
+
+
+def _plain_chain(sched, req) -> list[int]:
+    """The prompt's full blocks hashed as vLLM hashes them, without extra keys (64-bit form)."""
+    from vllm.utils.hashing import get_hash_fn_by_name     # vLLM's own, as the engine configured it
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens
+
+    fn = get_hash_fn_by_name(sched.cache_config.prefix_caching_hash_algo)
+    bs = _hash_size(sched)
+    tokens = req.prompt_token_ids
+    parent, out = None, []
+    for i in range(req.num_prompt_tokens // bs):
+        parent = hash_block_tokens(fn, parent, tokens[i * bs:(i + 1) * bs])
+        out.append(int.from_bytes(parent[-8:], "big"))
+    return out
+
+
+def _snapshot(sched) -> None:
+    """cached: the prefix cache's block hashes as the hook begins recording for an agent."""
+    try:
+        pool = sched.kv_cache_manager.block_pool
+        extra = getattr(pool, "cached_block_hashes_by_block", None) or {}
+        from_bytes = int.from_bytes
+        hashes = []
+        for b in pool.blocks:
+            key = b.block_hash
+            if key is not None:
+                hashes.append(from_bytes(key[-12:-4], "big"))
+                for k in extra.get(b.block_id, ()):
+                    if k != key:
+                        hashes.append(from_bytes(k[-12:-4], "big"))
+        now, step = _monotonic_ns(), sched.current_step
+        served = 2 if S.counting else (1 if step > 0 else 0)
+        for i in range(0, max(len(hashes), 1), PROMPT_PIECE):
+            _enqueue(("cached", now, step, served, i, len(hashes), hashes[i:i + PROMPT_PIECE]))
     except Exception as e:
         T.error(e)
 

@@ -221,6 +221,18 @@ def _report(direction: str, req_id: str, blocks: int, nbytes: int, t0: int, t1: 
         stats.error("hook_errors", e)
 
 
+def block_rows(kv: "torch.Tensor", num_blocks: int) -> int | None:
+    """How a layer's KV tensor holds its blocks: the rows of dim 0 per block when blocks are
+    outermost (vLLM's CPU backend since 0.24), 0 when K and V are outermost and blocks are dim
+    1 (shape (2, num_blocks, ...): the CPU backend before), None when neither."""
+    rows, rem = divmod(kv.shape[0], num_blocks)
+    if rows >= 1 and not rem:
+        return rows
+    if kv.dim() >= 2 and kv.shape[0] == 2 and kv.shape[1] == num_blocks:
+        return 0
+    return None
+
+
 # ---------------------------------------------------------------------------------------
 
 
@@ -391,10 +403,10 @@ class KvtraceFileConnector(KVConnectorBase_V1):
         shapes = []
         for name in self.layout["layers"]:
             kv = kv_caches[name]
-            rows, rem = divmod(kv.shape[0], self.num_blocks)
-            if rows < 1 or rem:
+            rows = block_rows(kv, self.num_blocks)
+            if rows is None:
                 raise ValueError(f"{name}: KV tensor {tuple(kv.shape)} does not split into {self.num_blocks} blocks")
-            piece = kv[0:rows]
+            piece = self._block(kv, rows, 0)
             nbytes = piece.numel() * piece.element_size()
             if nbytes != self.layout["layer_block_bytes"]:
                 raise ValueError(f"{name}: a block slice holds {nbytes} bytes, layout says "
@@ -406,11 +418,14 @@ class KvtraceFileConnector(KVConnectorBase_V1):
         base = torch.frombuffer(self._stage, dtype=torch.uint8)
         self._stage_views = [base[o:o + nb].view(dt).view(shape) for o, nb, dt, shape in shapes]
         self._layers = layers
-        logger.info("KvtraceFileConnector: %d KV layers, block slice %s %s (%d rows per block)",
-                    len(layers), shapes[0][3], shapes[0][2], layers[0][2])
+        logger.info("KvtraceFileConnector: %d KV layers, block slice %s %s (%s)", len(layers), shapes[0][3],
+                    shapes[0][2], f"{layers[0][2]} rows per block" if layers[0][2] else "K and V outermost")
 
-    def _block(self, kv: torch.Tensor, rows: int, block_id: int) -> torch.Tensor:
-        return kv[block_id * rows:(block_id + 1) * rows]
+    @staticmethod
+    def _block(kv: torch.Tensor, rows: int, block_id: int) -> torch.Tensor:
+        """One block of one layer: ``rows`` rows of a block-outermost tensor, or (rows 0) the
+        block's K and V of a (2, num_blocks, ...) tensor."""
+        return kv[block_id * rows:(block_id + 1) * rows] if rows else kv[:, block_id]
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         self._failed_reqs = set()

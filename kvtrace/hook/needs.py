@@ -44,10 +44,13 @@ ENGINE_METHODS = (
 ENGINE_READS = (
     Attrs(KVM, "KVCacheManager", ("block_pool",)),
     Attrs(SCHED, "Scheduler", ("requests", "running", "waiting", "kv_cache_manager", "block_size",
-                               "has_unfinished_requests")),
+                               "has_unfinished_requests", "cache_config")),
     Attrs(REQUEST, "Request", ("request_id", "num_computed_tokens", "num_preemptions", "num_tokens",
-                               "num_prompt_tokens", "block_hashes", "arrival_time", "trace_headers", "max_tokens")),
-    Attrs(POOL, "BlockPool", ("get_num_free_blocks",)),
+                               "num_prompt_tokens", "block_hashes", "arrival_time", "trace_headers", "max_tokens",
+                               "prompt_token_ids", "skip_reading_prefix_cache", "lora_request", "cache_salt",
+                               "mm_features")),
+    Attrs(POOL, "BlockPool", ("get_num_free_blocks", "blocks")),
+    Attrs("vllm.config", "CacheConfig", ("prefix_caching_hash_algo",)),
     Attrs(UTILS, "KVCacheBlock", ("block_hash", "block_id")),
     Fields(KVM, "KVCacheBlocks", ("blocks",)),
     Fields(OUTPUT, "SchedulerOutput", ("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens",
@@ -55,7 +58,9 @@ ENGINE_READS = (
     Fields(OUTPUT, "CachedRequestData", ("resumed_req_ids",)),
     Fields(OUTPUT, "NewRequestData", ("req_id",)),
     # the block hash the wrappers read: hash bytes + 4-byte group id, 64-bit in KV events
-    Globals(UTILS, ("make_block_hash_with_group_id", "get_block_hash", "maybe_convert_block_hash")),
+    Globals(UTILS, ("make_block_hash_with_group_id", "get_block_hash", "maybe_convert_block_hash",
+                    "hash_block_tokens")),
+    Globals("vllm.utils.hashing", ("get_hash_fn_by_name",)),   # a keyed prompt's plain chain (lookup)
     # the process the engine role runs in (multiprocessing's name; kvtrace.hook.install)
     Strings("vllm.v1.engine.utils", ("EngineCore",)),
 )

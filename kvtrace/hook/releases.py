@@ -8,7 +8,7 @@ kvtrace.hook.targets.engine_wrappers, are the only code that branches on a row.
 |---|---|---|---|
 | step_counter | Scheduler.current_step | 0.23 | the hook numbers the scheduler's steps itself, on the scheduler, as later releases do |
 | block_hash_sets | BlockPool.cached_block_hashes_by_block | 0.24 | a cached block holds one prefix hash: an eviction removes block_hash alone |
-| connector_block_state | SchedulerOutput.kv_connector_block_state | 0.29 | the file connector keeps each request's block ids from the scheduler output |
+| connector_block_state | KVConnectorBlockState.get_block_ids | 0.30 | the file connector keeps each request's block ids from the scheduler output (0.29's block state is a snapshot of some requests only) |
 | tensor_layers | KVCacheTensor.layers | 0.29 | the layers a tensor holds are KVCacheTensor.shared_by |
 | cache_layout | KVCacheConfig.kv_cache_layout | 0.29 | the block files' layout.json records no layout name |
 | hash_block_size | KVCacheConfig.hash_block_size | 0.32 | prefix hashes are taken per block (the hash block is the block) |
@@ -43,9 +43,10 @@ ROWS = (
         "the hook numbers the scheduler's steps itself, on the scheduler, as later releases do"),
     Row("block_hash_sets", plan.Attrs(POOL, "BlockPool", ("cached_block_hashes_by_block",)), "0.24", None,
         "a cached block holds one prefix hash: an eviction removes block_hash alone"),
-    Row("connector_block_state", plan.Fields(OUTPUT, "SchedulerOutput", ("kv_connector_block_state",)), "0.29",
+    Row("connector_block_state", plan.Attrs(OUTPUT, "KVConnectorBlockState", ("get_block_ids",)), "0.30",
         plan.Fields(OUTPUT, "CachedRequestData", ("new_block_ids", "resumed_req_ids")),
-        "the file connector keeps each request's block ids from the scheduler output"),
+        "the file connector keeps each request's block ids from the scheduler output (0.29's block state is a "
+        "snapshot of some requests only)"),
     Row("tensor_layers", plan.Fields(IFACE, "KVCacheTensor", ("layers",)), "0.29",
         plan.Fields(IFACE, "KVCacheTensor", ("shared_by",)), "the layers a tensor holds are KVCacheTensor.shared_by"),
     Row("cache_layout", plan.Fields(IFACE, "KVCacheConfig", ("kv_cache_layout",)), "0.29", None,

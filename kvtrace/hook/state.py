@@ -70,9 +70,10 @@ class _Engine:
     """EngineCore state, reset whenever the agent goes away."""
 
     __slots__ = ("on", "rec", "step", "cur_req", "last_alloc", "reqs", "alloc", "steps", "evicted", "ev",
-                 "alloc_failures", "broken", "seen_check", "agent_pid")
+                 "alloc_failures", "broken", "seen_check", "agent_pid", "counting")
 
     def __init__(self):
+        self.counting = False   # the hook numbers the steps (engine._schedule_pre_counting); kept over resets
         self.reset()
 
     def reset(self):

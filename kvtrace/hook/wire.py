@@ -89,6 +89,23 @@ RECORDS: dict[int, tuple[str, list[tuple[str, str]]]] = {
     15: ("kv_step", [("load_start_ns", "Q"), ("load_end_ns", "Q"), ("load_issue_end_ns", "Q"), ("seq", "Q"),
                      ("layer_waits", "I"), ("wait_ns", "Q"), ("save_start_ns", "Q"), ("save_end_ns", "Q"),
                      ("loaded", "B"), ("source", "s")]),
+    # An admission whose prefix-cache lookup differs from plain: `skipped` (the request skips
+    # reading the prefix cache: prompt logprobs, or caching off for it), `keyed` (its block hashes
+    # carry extra keys: a LoRA adapter, a cache_salt, multimodal inputs).  Not sent for the others.
+    16: ("lookup", [("step", "Q"), ("request", "s"), ("attempt", "H"), ("skipped", "B"), ("keyed", "B")]),
+    # A keyed request's prompt as the chain its blocks would have without extra keys (vLLM's own
+    # hash, 64-bit KV-event form): the same tokens at the same place as another request's blocks
+    # have the same hash here.  Sent at first admission after its prompt_blocks; first = index.
+    17: ("prompt_plain", [("step", "Q"), ("request", "s"), ("first", "I"), ("hashes", "U")]),
+    # The prefix cache's block hashes when the hook began recording for an agent (KV-event form):
+    # what was stored before the agent attached and is still there.  first = index of the
+    # record's first hash, total = hashes in all; served: 1 when the scheduler had run steps
+    # before (so blocks may have been stored and evicted unseen), 0 when not, 2 unknown.
+    18: ("cached", [("t_ns", "Q"), ("step", "Q"), ("served", "B"), ("first", "I"), ("total", "I"),
+                    ("hashes", "U")]),
+    # A re-admission after preemption: the request's block hashes past its prompt (its generated
+    # tokens' full blocks), first = their index in the request's chain.
+    19: ("resume_blocks", [("step", "Q"), ("request", "s"), ("attempt", "H"), ("first", "I"), ("hashes", "U")]),
 }
 
 EVICTS_MAX = 200  # evictions per `evicts` record (3,200 bytes of blocks: one record fits a frame)

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from kvtrace.correlate import ids
+from kvtrace.correlate.causes import MISSES
 from kvtrace.correlate.requests import Acc
 from kvtrace.otlp import encode
 
@@ -228,10 +229,12 @@ CHUNK_ATTRS = [
     ("kvtrace.chunk.nvme_commands", "nvme_commands", "d"), ("kvtrace.chunk.nvme_bytes", "nvme_bytes", "d"),
     ("kvtrace.chunk.nvme_latency_avg_ns", "nvme_latency_avg_ns", "d"),
     ("kvtrace.chunk.nvme_latency_max_ns", "nvme_latency_max_ns", "i"),
+    *((f"kvtrace.miss.{c.removeprefix('miss_')}", c, "i") for c in MISSES),
     ("process.pid", "engine_pid", "i"),
 ]
 REQUEST_ATTRS = [
-    ("gen_ai.usage.input_tokens", "prompt_len", "i"), ("kvtrace.request.cached_tokens", "cached_tokens", "i"),
+    ("gen_ai.usage.input_tokens", "prompt_len", "i"), ("gen_ai.usage.cache_read.input_tokens", "cached_tokens", "i"),
+    ("kvtrace.request.cached_tokens", "cached_tokens", "i"),
     ("kvtrace.request.cached_local_tokens", "cached_local", "i"),
     ("kvtrace.request.cached_external_tokens", "cached_external", "i"),
     ("kvtrace.request.admissions", "admissions", "i"), ("kvtrace.request.preemptions", "preemptions", "i"),
@@ -239,6 +242,8 @@ REQUEST_ATTRS = [
     ("kvtrace.request.load_bytes", "load_bytes", "i"), ("kvtrace.request.storage_wait_ns", "storage_wait_ns", "i"),
     ("kvtrace.request.compute_ns", "compute_ns", "i"), ("kvtrace.request.queue_ns", "queue_ns", "i"),
     ("kvtrace.request.finished", "finished", "b"), ("kvtrace.trace.joined", "joined_trace", "b"),
+    *((f"kvtrace.miss.{c.removeprefix('miss_')}", c, "i") for c in MISSES),
+    ("kvtrace.miss.readmit_recomputed", "readmit_recomputed_tokens", "i"),
     ("process.pid", "engine_pid", "i"),
 ]
 

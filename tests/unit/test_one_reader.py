@@ -181,20 +181,20 @@ def test_correlate_refuses_to_shrink_derived_tables_unless_forced(good, tmp_path
     before = derived_rows(root)
     assert before["chunks"] == 10 and before["steps"] == 12
     r = kvtrace("correlate", root)  # the same rows again: fine
-    assert r.returncode == 0 and lines(r) == ["kvtrace: run r1 (h1): 6 requests, 10 chunks, 12 steps, 12 attributions"]
+    assert r.returncode == 0 and lines(r) == ["kvtrace: run r1 (h1): 6 requests, 10 chunks, 12 steps, 12 attributions, 20 token_causes"]
     for t in ("step", "chunk", "admit"):
         shutil.rmtree(root / t)
     r = kvtrace("correlate", root)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     (line,) = lines(r)
     assert line == ("kvtrace: not replacing the derived tables of run r1 (h1) by fewer rows: chunks 10 -> 0, "
-                    "steps 12 -> 0 (no readable step, chunk, admit records of the run); nothing written "
+                    "steps 12 -> 0, token_causes 20 -> 0 (no readable step, chunk, admit records of the run); nothing written "
                     "(give --force to replace them)")
     assert derived_rows(root) == before
     r = kvtrace("correlate", root, "--force")
     assert r.returncode == 0, r.stderr
     assert lines(r)[0] == ("kvtrace: warning: --force: replacing the derived tables of run r1 (h1) by fewer rows: "
-                           "chunks 10 -> 0, steps 12 -> 0 (no readable step, chunk, admit records of the run)")
+                           "chunks 10 -> 0, steps 12 -> 0, token_causes 20 -> 0 (no readable step, chunk, admit records of the run)")
     assert derived_rows(root)["chunks"] == 0 and derived_rows(root)["steps"] == 0
 
 

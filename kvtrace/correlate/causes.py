@@ -1,0 +1,321 @@
+"""Why each prompt token missed: the prefix cache replayed from the hook's records, step by step,
+and every token of every admission given exactly one cause (docs/analysis.md, "Miss causes").
+
+The replay keeps, per engine, which block hashes are in the prefix cache (the snapshot the hook
+sends when an agent attaches, then every block a chunk completes, every hit, every eviction),
+which running requests are still computing which blocks, and when and by whom each block was
+evicted.  At each admission, in vLLM's own order within a step (finished and preempted requests
+leave, running requests allocate, then each admission looks up and allocates), the tokens of the
+prompt (or of the prefill after a preemption) are split:
+
+  hit_local, hit_external      what vLLM found (its own admission record)
+  miss_tail                    tokens past the last block vLLM can hit: the partial last block,
+                               or the whole last block when the prompt ends on a block boundary
+                               (vLLM always computes the last token)
+  miss_not_looked_up           everything else, when the request skipped the prefix cache
+  per missed full block, by its own state at the lookup:
+    miss_inflight              not cached yet, but a running request admitted earlier is computing it
+    miss_evicted               stored, then evicted before this admission (when, by whose
+                               allocation, and how many evictions and seconds before)
+    miss_other_key             never stored under this key, but the same tokens at the same place
+                               are cached under another key (LoRA, cache_salt, multimodal)
+    miss_cold                  never stored, and the cache's whole history is known
+    miss_unseen                not seen stored in this run, and the server had served before the
+                               agent attached (it may have been stored and evicted then), or removed
+                               in a way the hook does not see (a prefix-cache reset)
+  a block that is cached but follows a missed one (vLLM's lookup stops at the first miss) takes
+  the cause of the first missed block.
+
+The causes of one admission sum to its prefill length exactly.  Pure Python over the recorded
+rows (no root, no bcc); the live correlator feeds one CacheReplay pass by pass, offline one pass
+holds the whole run.
+"""
+from __future__ import annotations
+
+from collections import Counter, OrderedDict, defaultdict
+from dataclasses import dataclass, field
+
+CAUSES = ("hit_local", "hit_external", "miss_cold", "miss_unseen", "miss_evicted", "miss_inflight", "miss_tail",
+          "miss_other_key", "miss_not_looked_up")
+HITS = ("hit_local", "hit_external")
+MISSES = CAUSES[2:]
+_BREAK = "break"
+KEEP = 100_000   # admissions whose segments are kept for their later chunks (live: a bounded window)
+
+
+@dataclass
+class Segment:
+    """Tokens [start, end) of one admission with one cause (an evicted block: its own segment)."""
+
+    engine_pid: int
+    request: str
+    attempt: int
+    step: int
+    start: int
+    end: int
+    cause: str
+    block_hash: int = 0          # the (first) block of the segment, when it is one block's
+    evict_ns: int = 0            # miss_evicted: when it was evicted
+    evicted_by: str = ""         # miss_evicted: whose allocation evicted it
+    distance_blocks: int = 0     # miss_evicted: evictions from it to this admission, it included
+    distance_ns: int = 0         # miss_evicted: from its eviction to this admission's step start
+    computing: str = ""          # miss_inflight: the running request computing it
+
+
+@dataclass
+class _Engine:
+    block_size: int = 0
+    fresh: bool | None = None
+    present: set = field(default_factory=set)
+    plain_of: dict = field(default_factory=dict)       # cached hash -> its hash without extra keys
+    present_plain: Counter = field(default_factory=Counter)
+    stored: set = field(default_factory=set)            # stored at some point of the run
+    evicted: dict = field(default_factory=dict)         # hash -> (t_ns, by request, eviction number)
+    evictions: int = 0
+    pending: dict = field(default_factory=lambda: defaultdict(set))   # hash -> requests computing it
+    running: dict = field(default_factory=dict)         # request -> [attempt, progress, pending hashes]
+    chains: dict = field(default_factory=dict)          # request -> {index: hash}
+    plains: dict = field(default_factory=dict)          # request -> {index: hash without extra keys}
+    lookups: dict = field(default_factory=dict)         # (request, attempt) -> (skipped, keyed)
+
+
+class CacheReplay:
+    """The replay of every engine's prefix cache; feed() it the rows of the steps now final, in
+    any split over passes: it keeps what later steps need."""
+
+    def __init__(self):
+        self.engines: dict[int, _Engine] = defaultdict(_Engine)
+        self.segments: list[Segment] = []     # made by the latest feed()
+        self.kept: OrderedDict = OrderedDict()  # (pid, request, attempt) -> its segments, for its chunks
+
+    # -- per-request structure: prompt chains, lookups, the snapshot at attach -----------------
+
+    def structure(self, prompt_blocks=(), resume_blocks=(), prompt_plain=(), lookup=(), cached=()) -> None:
+        for r in prompt_blocks:
+            e = self.engines[r["pid"]]
+            e.block_size = e.block_size or int(r["block_size"])
+            _put(e.chains, r["request"], r["first"], r["hashes"])
+        for r in resume_blocks:
+            _put(self.engines[r["pid"]].chains, r["request"], r["first"], r["hashes"])
+        for r in prompt_plain:
+            _put(self.engines[r["pid"]].plains, r["request"], r["first"], r["hashes"])
+        for r in lookup:
+            self.engines[r["pid"]].lookups[(r["request"], int(r["attempt"]))] = (bool(r["skipped"]), bool(r["keyed"]))
+        for r in cached:
+            e = self.engines[r["pid"]]
+            if r["first"] == 0:
+                e.fresh = {0: True, 1: False}.get(int(r["served"]))
+            for h in r["hashes"]:
+                _store(e, int(h), int(h))
+
+    def set_fresh(self, pid: int, fresh: bool) -> None:
+        """Whether the engine served no request before the run (when the snapshot cannot say)."""
+        e = self.engines[pid]
+        if e.fresh is None:
+            e.fresh = fresh
+
+    # -- the steps ---------------------------------------------------------------------------
+
+    def feed(self, steps, admits, chunks, evicts, preempts, finishes) -> list[Segment]:
+        """Replay these steps (rows as dicts, each with its pid and step); the segments made."""
+        self.segments = []
+        by_step: dict = defaultdict(lambda: defaultdict(list))
+        for kind, rows in (("admit", admits), ("chunk", chunks), ("evict", evicts), ("preempt", preempts),
+                           ("finish", finishes)):
+            for r in rows:
+                by_step[(r["pid"], r["step"])][kind].append(r)
+        start_of = {(s["pid"], s["step"]): s["t_start_ns"] for s in steps}
+        for key in sorted(by_step):
+            self._step(key[0], start_of.get(key, 0), by_step[key])
+        return self.segments
+
+    def _step(self, pid: int, t_step: int, ev: dict) -> None:
+        e = self.engines[pid]
+        for f in ev["finish"]:
+            _leave(e, f["request"])
+        for p in ev["preempt"]:
+            _leave(e, p["request"])
+        evicts = defaultdict(list)
+        for x in ev["evict"]:
+            evicts[x["request"]].append(x)
+        scheduled = {c["request"] for c in ev["chunk"]}
+        for req in [r for r in evicts if r not in scheduled]:   # decoding requests allocate first
+            _evict(e, evicts.pop(req))
+        admits = {(a["request"], int(a["attempt"])): a for a in ev["admit"]}
+        for c in ev["chunk"]:
+            r, attempt = c["request"], int(c["attempt"])
+            a = admits.pop((r, attempt), None)
+            if a is not None:
+                self._admit(pid, e, a, t_step)
+            _evict(e, evicts.pop(r, ()))
+            _progress(e, r, int(c["start"]) + int(c["length"]))
+        for a in admits.values():   # an admission without a chunk row (should not happen)
+            self._admit(pid, e, a, t_step)
+        for rows in evicts.values():
+            _evict(e, rows)
+
+    def _admit(self, pid: int, e: _Engine, a: dict, t_step: int) -> None:
+        r, attempt = a["request"], int(a["attempt"])
+        total = int(a["prefill_len"])
+        hit_l, hit_x = int(a["cached_local"]), int(a["cached_external"])
+        bs = e.block_size or 1
+        chain = e.chains.get(r, {})
+        skipped, keyed = e.lookups.get((r, attempt), (False, False))
+        segs = [(0, hit_l, "hit_local", {}), (hit_l, hit_l + hit_x, "hit_external", {})]
+        if skipped:
+            segs.append((hit_l + hit_x, total, "miss_not_looked_up", {}))
+        else:
+            top = bs * ((total - 1) // bs) if total else 0   # tokens vLLM can hit at most
+            first_cause = None
+            for i in range((hit_l + hit_x) // bs, top // bs):
+                cause, detail = self._block(e, r, i, chain.get(i), keyed, t_step)
+                if first_cause is None:
+                    first_cause = cause if cause != _BREAK else "miss_unseen"
+                if cause == _BREAK:
+                    cause, detail = first_cause, {}
+                segs.append((i * bs, (i + 1) * bs, cause, detail))
+            segs.append((max(top, hit_l + hit_x), total, "miss_tail", {}))
+        self._emit(pid, r, attempt, int(a["step"]), segs)
+        for i in range((hit_l + hit_x) // bs):   # what hit is cached (loaded blocks too)
+            h = chain.get(i)
+            if h is not None:
+                _store(e, h, _plain(e, r, i, h, keyed))
+        pend = [(i, h) for i in range((hit_l + hit_x) // bs, total // bs) if (h := chain.get(i)) is not None]
+        e.running[r] = [attempt, hit_l + hit_x, {h for _, h in pend}, keyed]
+        for _, h in pend:
+            e.pending[h].add(r)
+
+    def _block(self, e: _Engine, r: str, i: int, h, keyed: bool, t_step: int) -> tuple[str, dict]:
+        """The cause of one missed full block, by its own state at the lookup."""
+        if h is None:
+            return "miss_unseen", {}
+        if h in e.present:
+            return _BREAK, {}
+        computing = [o for o in e.pending.get(h, ()) if o != r]
+        if computing:
+            return "miss_inflight", {"block_hash": h, "computing": min(computing)}
+        ev = e.evicted.get(h)
+        if ev is not None:
+            t, by, n = ev
+            return "miss_evicted", {"block_hash": h, "evict_ns": t, "evicted_by": by,
+                                    "distance_blocks": e.evictions - n, "distance_ns": max(t_step - t, 0)}
+        if e.present_plain.get(_plain(e, r, i, h, keyed), 0) > 0:
+            return "miss_other_key", {"block_hash": h}
+        if h in e.stored or not e.fresh:
+            return "miss_unseen", {}
+        return "miss_cold", {}
+
+    def chunk_causes(self, pid: int, request: str, attempt: int, start: int, end: int) -> dict[str, int]:
+        """Tokens [start, end) of an admission's chunk by miss cause (the misses it computed)."""
+        out = dict.fromkeys(MISSES, 0)
+        for s in self.kept.get((pid, request, attempt), ()):
+            if s.cause in out:
+                out[s.cause] += max(min(s.end, end) - max(s.start, start), 0)
+        return out
+
+    def _emit(self, pid: int, r: str, attempt: int, step: int, segs: list) -> None:
+        mine = self.kept.setdefault((pid, r, attempt), [])
+        if len(self.kept) > KEEP:
+            self.kept.popitem(last=False)
+        self._emit_into(mine, pid, r, attempt, step, segs)
+        self.segments.extend(mine)
+
+    def _emit_into(self, out: list, pid: int, r: str, attempt: int, step: int, segs: list) -> None:
+        for start, end, cause, detail in segs:
+            if end <= start:
+                continue
+            last = out[-1] if out else None
+            if (last is not None and not detail and last.request == r and last.attempt == attempt
+                    and last.cause == cause and last.end == start and not last.evict_ns and not last.computing):
+                last.end = end
+                continue
+            out.append(Segment(pid, r, attempt, step, start, end, cause, **detail))
+
+
+def _put(d: dict, request: str, first: int, hashes) -> None:
+    chain = d.setdefault(request, {})
+    for k, h in enumerate(hashes):
+        chain[int(first) + k] = int(h)
+
+
+def _plain(e: _Engine, r: str, i: int, h: int, keyed: bool) -> int:
+    if keyed:
+        return e.plains.get(r, {}).get(i, h)
+    return h
+
+
+def _store(e: _Engine, h: int, plain: int) -> None:
+    if h in e.present:
+        return
+    e.present.add(h)
+    e.stored.add(h)
+    e.plain_of[h] = plain
+    e.present_plain[plain] += 1
+    e.evicted.pop(h, None)
+
+
+def _evict(e: _Engine, rows) -> None:
+    for x in rows:
+        h = int(x["block_hash"])
+        e.evictions += 1
+        e.evicted[h] = (int(x["t_ns"]), x["request"], e.evictions - 1)
+        if h in e.present:
+            e.present.discard(h)
+            p = e.plain_of.pop(h, h)
+            e.present_plain[p] -= 1
+            if e.present_plain[p] <= 0:
+                del e.present_plain[p]
+
+
+def _progress(e: _Engine, r: str, end: int) -> None:
+    """A chunk of r ran to token ``end``: the blocks it completed are cached."""
+    run = e.running.get(r)
+    if run is None:
+        return
+    bs = e.block_size or 1
+    chain = e.chains.get(r, {})
+    for i in range(run[1] // bs, end // bs):
+        h = chain.get(i)
+        if h is not None:
+            _store(e, h, _plain(e, r, i, h, run[3]))
+            run[2].discard(h)
+            s = e.pending.get(h)
+            if s is not None:
+                s.discard(r)
+                if not s:
+                    del e.pending[h]
+    run[1] = max(run[1], end)
+
+
+def _leave(e: _Engine, r: str) -> None:
+    run = e.running.pop(r, None)
+    if run is None:
+        return
+    for h in run[2]:
+        s = e.pending.get(h)
+        if s is not None:
+            s.discard(r)
+            if not s:
+                del e.pending[h]
+
+
+def causes_of(segments) -> dict[int, dict[str, int]]:
+    """One request's segments: attempt -> tokens per cause (every cause, zeros included)."""
+    out: dict = {}
+    for s in segments:
+        d = out.setdefault(s.attempt, dict.fromkeys(CAUSES, 0))
+        d[s.cause] += s.end - s.start
+    return out
+
+
+def table_rows(segments) -> dict[str, list]:
+    """The token_causes columns (docs/schema.md) of these segments."""
+    cols = {k: [] for k in ("engine_pid", "request", "attempt", "step", "token_start", "token_end", "tokens", "cause",
+                            "block_hash", "evict_ns", "evicted_by", "distance_blocks", "distance_ns", "computing")}
+    for s in segments:
+        for k, v in (("engine_pid", s.engine_pid), ("request", s.request), ("attempt", s.attempt), ("step", s.step),
+                     ("token_start", s.start), ("token_end", s.end), ("tokens", s.end - s.start), ("cause", s.cause),
+                     ("block_hash", s.block_hash), ("evict_ns", s.evict_ns), ("evicted_by", s.evicted_by),
+                     ("distance_blocks", s.distance_blocks), ("distance_ns", s.distance_ns), ("computing", s.computing)):
+            cols[k].append(v)
+    return cols

@@ -1,0 +1,153 @@
+"""The miss-cause replay (kvtrace.correlate.causes) on hand-built hook records: each cause made
+a known number of times, every admission tiled exactly.  (Against a real vLLM server:
+tests/vllm/test_causes.py.)"""
+from __future__ import annotations
+
+from kvtrace.correlate.causes import CAUSES, CacheReplay, causes_of
+
+B = 4          # tokens per block in these records
+PID = 7
+
+
+def chain(name: str, n: int) -> list[int]:
+    """n distinct 64-bit-ish hashes named after ``name`` (a shared prefix: the same name)."""
+    return [hash((name, i)) & (2**64 - 1) for i in range(n)]
+
+
+class Run:
+    """Records of one engine, step by step, in vLLM's order within a step."""
+
+    def __init__(self, served: int = 0):
+        self.replay = CacheReplay()
+        self.replay.structure(cached=[{"pid": PID, "first": 0, "served": served, "hashes": []}])
+        self.step = 0
+        self.segments = []
+
+    def prompt(self, req: str, hashes: list[int], plain: list[int] | None = None, skipped=False):
+        rows = {"prompt_blocks": [{"pid": PID, "request": req, "block_size": B, "first": 0, "hashes": hashes}]}
+        if plain is not None or skipped:
+            rows["lookup"] = [{"pid": PID, "request": req, "attempt": 0, "skipped": int(skipped),
+                               "keyed": int(plain is not None)}]
+        if plain is not None:
+            rows["prompt_plain"] = [{"pid": PID, "request": req, "first": 0, "hashes": plain}]
+        self.replay.structure(**rows)
+
+    def do(self, admits=(), chunks=(), evicts=(), preempts=(), finishes=()):
+        """One step.  admits: (req, attempt, prefill_len, local, external); chunks: (req, attempt,
+        start, length) in scheduling order; evicts: (hash, by request)."""
+        self.step += 1
+        s = self.step
+        t = s * 1_000_000
+        segs = self.replay.feed(
+            [{"pid": PID, "step": s, "t_start_ns": t}],
+            [{"pid": PID, "step": s, "request": r, "attempt": a, "prefill_len": n, "cached_local": l,
+              "cached_external": x} for r, a, n, l, x in admits],
+            [{"pid": PID, "step": s, "request": r, "attempt": a, "start": st, "length": ln} for r, a, st, ln in chunks],
+            [{"pid": PID, "step": s, "t_ns": t + 10, "block_hash": h, "request": by} for h, by in evicts],
+            [{"pid": PID, "step": s, "request": r} for r in preempts],
+            [{"pid": PID, "step": s, "request": r} for r in finishes])
+        self.segments += segs
+        return segs
+
+    def causes(self, req: str, attempt: int = 0) -> dict[str, int]:
+        got = causes_of([s for s in self.segments if s.request == req])[attempt]
+        return {k: v for k, v in got.items() if v}
+
+
+def test_cold_tail_and_a_hit():
+    run = Run()
+    a = chain("a", 4)
+    run.prompt("A", a)
+    run.do(admits=[("A", 0, 18, 0, 0)], chunks=[("A", 0, 0, 18)])
+    # 16 tokens in 4 full blocks, but vLLM hits at most 17: blocks 0-3 cold, the last 2 tokens the tail
+    assert run.causes("A") == {"miss_cold": 16, "miss_tail": 2}
+    run.prompt("A2", a)
+    run.do(admits=[("A2", 0, 18, 16, 0)], chunks=[("A2", 0, 16, 2)], finishes=["A"])
+    assert run.causes("A2") == {"hit_local": 16, "miss_tail": 2}
+    # a prompt ending on a block boundary: its last block is the tail (vLLM computes the last token)
+    run.prompt("A3", a)
+    run.do(admits=[("A3", 0, 16, 12, 0)], chunks=[("A3", 0, 12, 4)])
+    assert run.causes("A3") == {"hit_local": 12, "miss_tail": 4}
+
+
+def test_evicted_with_its_eviction():
+    run = Run()
+    a, f = chain("a", 3), chain("f", 3)
+    run.prompt("A", a)
+    run.do(admits=[("A", 0, 13, 0, 0)], chunks=[("A", 0, 0, 13)])
+    run.prompt("F", f)
+    run.do(admits=[("F", 0, 13, 0, 0)], chunks=[("F", 0, 0, 13)], evicts=[(a[2], "F"), (a[1], "F")], finishes=["A"])
+    run.do(evicts=[(a[0], "G")])
+    run.prompt("A2", a)
+    segs = run.do(admits=[("A2", 0, 13, 0, 0)], chunks=[("A2", 0, 0, 13)])
+    assert run.causes("A2") == {"miss_evicted": 12, "miss_tail": 1}
+    ev = [s for s in segs if s.cause == "miss_evicted"]
+    assert [(s.start, s.end, s.block_hash, s.evicted_by, s.distance_blocks) for s in ev] == [
+        (0, 4, a[0], "G", 1), (4, 8, a[1], "F", 2), (8, 12, a[2], "F", 3)]
+    assert ev[0].distance_ns == 4_000_000 - 3_000_010 and ev[1].evict_ns == 2_000_010
+
+
+def test_inflight_while_a_running_request_computes_the_prefix():
+    run = Run()
+    c = chain("c", 6)
+    run.prompt("C", c)
+    run.prompt("D", c[:3] + chain("d", 3))
+    # C's first chunk computes blocks 0-1 before D's lookup in the same step; blocks 2-5 are still to come
+    run.do(admits=[("C", 0, 26, 0, 0), ("D", 0, 26, 8, 0)], chunks=[("C", 0, 0, 8), ("D", 0, 8, 8)])
+    assert run.causes("D") == {"hit_local": 8, "miss_inflight": 4, "miss_cold": 12, "miss_tail": 2}
+    assert {s.computing for s in run.segments if s.cause == "miss_inflight"} == {"C"}
+
+
+def test_other_key_not_looked_up_and_the_chain_break():
+    run = Run()
+    a = chain("a", 3)
+    run.prompt("A", a)
+    run.do(admits=[("A", 0, 13, 0, 0)], chunks=[("A", 0, 0, 13)])
+    salted = chain("salted", 3)
+    run.prompt("S", salted, plain=a)             # the same tokens under a cache_salt
+    run.do(admits=[("S", 0, 13, 0, 0)], chunks=[("S", 0, 0, 13)])
+    assert run.causes("S") == {"miss_other_key": 12, "miss_tail": 1}
+    run.prompt("P", a, skipped=True)              # prompt logprobs: no lookup
+    run.do(admits=[("P", 0, 13, 0, 0)], chunks=[("P", 0, 0, 13)])
+    assert run.causes("P") == {"miss_not_looked_up": 13}
+    # a[0] evicted, a[1] and a[2] still cached: vLLM's lookup stops at block 0
+    run.do(evicts=[(a[0], "X")], finishes=["A", "S", "P"])
+    run.prompt("A2", a)
+    run.do(admits=[("A2", 0, 13, 0, 0)], chunks=[("A2", 0, 0, 13)])
+    assert run.causes("A2") == {"miss_evicted": 12, "miss_tail": 1}
+    assert [s.block_hash for s in run.segments if s.request == "A2" and s.cause == "miss_evicted"] == [a[0], 0]
+
+
+def test_unseen_when_the_server_served_before_the_agent():
+    run = Run(served=1)
+    run.prompt("U", chain("u", 2))
+    run.do(admits=[("U", 0, 9, 0, 0)], chunks=[("U", 0, 0, 9)])
+    assert run.causes("U") == {"miss_unseen": 8, "miss_tail": 1}
+
+
+def test_readmission_after_preemption():
+    run = Run()
+    a = chain("a", 2)
+    run.prompt("A", a)
+    run.do(admits=[("A", 0, 9, 0, 0)], chunks=[("A", 0, 0, 9)])
+    # preempted with 12 tokens (9 prompt + 3 generated), its blocks evicted in part, then back
+    run.do(preempts=["A"], evicts=[(a[1], "B")])
+    gen = chain("gen", 1)
+    run.replay.structure(resume_blocks=[{"pid": PID, "request": "A", "attempt": 1, "first": 2, "hashes": gen}])
+    run.do(admits=[("A", 1, 12, 4, 0)], chunks=[("A", 1, 4, 8)])
+    # 12 tokens: block 0 found again, block 1 evicted meanwhile, and past the 8 tokens vLLM can hit
+    # (it computes the last token) the tail, generated block included
+    assert run.causes("A", 1) == {"hit_local": 4, "miss_evicted": 4, "miss_tail": 4}
+
+
+def test_every_admission_sums_to_its_prefill():
+    run = Run()
+    for k in range(20):
+        h = chain(f"p{k % 3}", 5)
+        run.prompt(f"R{k}", h)
+        hit = 8 if k >= 3 else 0
+        run.do(admits=[(f"R{k}", 0, 21, hit, 0)], chunks=[(f"R{k}", 0, hit, 21 - hit)],
+               evicts=[(h[4], f"R{k}")] if k % 4 == 0 else [])
+    for k in range(20):
+        got = causes_of([s for s in run.segments if s.request == f"R{k}"])[0]
+        assert sum(got.values()) == 21 and set(got) == set(CAUSES)
