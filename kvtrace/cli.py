@@ -16,7 +16,8 @@ def cli() -> None:
     """Trace KV-cache reuse, eviction and storage I/O of LLM serving (vLLM) with eBPF."""
 
 
-COMMANDS = ("doctor", "attach", "summary", "demo", "servers", "inject", "correlate", "export", "analyze", "whatif")
+COMMANDS = ("doctor", "attach", "summary", "demo", "servers", "inject", "correlate", "export", "analyze", "compare",
+            "whatif")
 
 
 def _register() -> None:

@@ -47,3 +47,9 @@ class ExportError(KvtraceError):
     """Nothing reached the OTLP endpoint (down, refusing, or too slow for every request)."""
 
     exit_code = 7
+
+
+class GateError(KvtraceError):
+    """A --gate of `kvtrace compare` failed: NEW did not meet it against BASE."""
+
+    exit_code = 8

@@ -10,11 +10,24 @@ from __future__ import annotations
 from collections import Counter
 
 
+def events(evs) -> list[dict]:
+    """A batch's events as maps with their "type", from either of vLLM's encodings (tagged maps;
+    before about 0.21, arrays whose first item is the tag: kvtrace.vllm.kvdecode.FIELDS)."""
+    from kvtrace.vllm.kvdecode import FIELDS
+
+    out = []
+    for ev in evs:
+        if isinstance(ev, (list, tuple)):
+            ev = {"type": ev[0], **dict(zip(FIELDS.get(ev[0], ()), ev[1:]))}
+        out.append(ev)
+    return out
+
+
 def removed_hashes(batches) -> Counter:
     """BlockRemoved hashes (as unsigned 64-bit) of KV-event batches ``(recv_ns, seq, [ts, events, …])``."""
     removed = Counter()
     for _, _, (_ts, evs, *_rest) in batches:
-        for ev in evs:
+        for ev in events(evs):
             if ev["type"] == "BlockRemoved":
                 removed.update(h & (2**64 - 1) for h in ev["block_hashes"])
     return removed

@@ -19,11 +19,12 @@ def _ints(x) -> np.ndarray:
 
 
 class Tier:
-    """A KV connector's store: every computed block is written; a prefix is loaded back at admission."""
+    """A KV connector's store: every computed block is written; a prefix is loaded back at admission,
+    at the tier's read speed (kvtrace.analysis.whatif_storage)."""
 
     def __init__(self, spec: str):
         self.name = spec
-        self.on, self.cap = parse_tier(spec)
+        self.on, self.cap, self.gbps, self.latency_us = parse_tier(spec)
         self.keys: OrderedDict = OrderedDict()
 
     def store(self, key) -> None:
@@ -34,21 +35,37 @@ class Tier:
             self.keys.popitem(last=False)
 
 
-def parse_tier(spec: str) -> tuple[bool, int | None]:
-    """--storage-tier none | file | file:BLOCKS -> (on, BLOCKS or None); UsageError otherwise."""
-    kind, colon, cap = spec.partition(":")
-    if kind not in ("file", "none") or (kind == "none" and colon):
-        raise UsageError(f"--storage-tier {spec!r}: give none, file or file:BLOCKS (e.g. file:4096)")
-    if not colon:
-        return kind == "file", None
-    try:
-        blocks = int(cap.strip())
-    except ValueError:
-        blocks = None
-    if blocks is None or blocks <= 0:
-        raise UsageError(f"--storage-tier {spec!r}: BLOCKS must be a whole number above 0 (e.g. file:4096), "
-                         "or give file for an unbounded store")
-    return True, blocks
+TIER_HELP = ("give none, or file[:BLOCKS][@READ_GBPS[/LATENCY_US]] (e.g. file, file:4096, file@0.5, "
+             "file:4096@2/100)")
+
+
+def parse_tier(spec: str) -> tuple[bool, int | None, float | None, float | None]:
+    """--storage-tier none | file[:BLOCKS][@READ_GBPS[/LATENCY_US]] -> (on, BLOCKS, GB/s, µs),
+    None for what is not given; UsageError otherwise."""
+    head, at, speed = spec.partition("@")
+    kind, colon, cap = head.partition(":")
+    if kind not in ("file", "none") or (kind == "none" and (colon or at)):
+        raise UsageError(f"--storage-tier {spec!r}: {TIER_HELP}")
+    blocks = gbps = lat = None
+    if colon:
+        try:
+            blocks = int(cap.strip())
+        except ValueError:
+            blocks = None
+        if blocks is None or blocks <= 0:
+            raise UsageError(f"--storage-tier {spec!r}: BLOCKS must be a whole number above 0 (e.g. file:4096), "
+                             "or give file for an unbounded store")
+    if at:
+        g, slash, lt = speed.partition("/")
+        try:
+            gbps = float(g)
+            lat = float(lt) if slash else None
+        except ValueError:
+            gbps = None
+        if gbps is None or not gbps > 0 or gbps == float("inf") or (lat is not None and not 0 <= lat < float("inf")):
+            raise UsageError(f"--storage-tier {spec!r}: READ_GBPS must be a number above 0 and LATENCY_US one of "
+                             f"at least 0 ({TIER_HELP})")
+    return kind == "file", blocks, gbps, lat
 
 
 class FreeQueue:

@@ -25,6 +25,13 @@ class Replay(BlockPool):
         self.wl, self.C = wl, chunk
         self.m = block // wl.block_size
         self.max_seqs = max_num_seqs
+        t = self.tier
+        if t.on and t.gbps is not None and not wl.storage.block_bytes:
+            raise UsageError(f"--storage-tier {tier}: the dataset records no KV connector transfer to size a block by; "
+                             "record a run with a connector, or give the tier without a speed (file)")
+        # a loaded block's time (kvtrace.analysis.whatif_storage), scaled to this block size
+        self.load_ns = wl.storage.per_block_ns(t.gbps, t.latency_us) * self.m if t.on else 0.0
+        self.wait_ns = 0.0
 
     def _admit(self, r: Req, budget: int, busy: bool) -> int:
         """Try to admit r; the tokens scheduled, or 0 when it does not fit."""
@@ -56,6 +63,7 @@ class Replay(BlockPool):
             self.stats["readmit_hits"] += (hit + ext) * B
         r.admitted = True
         self.stats["storage_loads"] += ext
+        self.wait_ns += ext * self.load_ns
         if ext:
             deque(map(self.tier.keys.move_to_end, keys[hit:hit + ext]), 0)
         r.computed = computed
@@ -113,8 +121,8 @@ class Replay(BlockPool):
         t_start = now
         while done < len(reqs):
             while pending and pending[0][0] <= now:
-                _, i = heapq.heappop(pending)
-                reqs[i].arrived_ns = reqs[i].arrival
+                t_arr, i = heapq.heappop(pending)
+                reqs[i].arrived_ns = t_arr   # a closed-loop request: when its trigger's replayed finish sent it
                 waiting.append(reqs[i])
             if not waiting and not running:
                 if not pending:
@@ -183,7 +191,9 @@ class Replay(BlockPool):
         decode = len(sched) - sum(kinds)
         self.stats["steps"] += 1
         self.stats["prefill_tokens"] += prefill
-        return now + int(a + b * prefill + c * decode)
+        wait, self.wait_ns = self.wait_ns, 0.0
+        self.stats["storage_wait_ns"] = self.stats.get("storage_wait_ns", 0) + int(wait)
+        return now + int(a + b * prefill + c * decode + wait)
 
     def _finish(self, sched: list, running: list, reqs: list, triggered: dict, pending: list, now: int) -> int:
         """Account the step's tokens; free the requests it finished and send the closed-loop
@@ -213,6 +223,13 @@ class Replay(BlockPool):
         s["replayed_ns"] = replayed_ns
         ttft = sorted(r.first_token_ns - r.arrived_ns for r in reqs if r.first_token_ns)
         s["ttft_p50_ns"] = ttft[(len(ttft) + 1) // 2 - 1] if ttft else None
+        s["ttft_p90_ns"] = ttft[max(-(-len(ttft) * 9 // 10) - 1, 0)] if ttft else None
+        out = sum(r.generated for r in reqs)
+        s["output_tokens"] = out
+        s["output_tokens_per_s"] = out / (replayed_ns / 1e9) if replayed_ns else None
+        s["storage_wait_ns"] = s.get("storage_wait_ns", 0)
+        loaded = s["storage_loads"] * self.m * self.wl.storage.block_bytes
+        s["storage_read_gb_per_s"] = loaded / replayed_ns if replayed_ns and loaded else 0.0
         return s
 
     def _index(self, reqs, r) -> int:

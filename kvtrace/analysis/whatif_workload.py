@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvtrace.analysis import load
+from kvtrace.analysis.whatif_storage import StorageModel, fit, quiet_steps
 from kvtrace.errors import DatasetError
 
 CLOSED_LOOP_NS = 100_000_000
@@ -50,6 +51,7 @@ class Workload:
     recorded: dict
     model: tuple
     notes: list
+    storage: StorageModel = field(default_factory=StorageModel)
 
     def distinct(self) -> dict:
         """id(chain) -> whether the chain has no hash twice (computed once for every replay)."""
@@ -146,13 +148,37 @@ def workload(directory) -> Workload:
     if not inp.has("prompt_blocks"):
         raise DatasetError(f"{directory} has no prompt_blocks records: whatif needs each request's prompt block hashes "
                            "(recorded by the kvtrace hook at first admission)")
-    notes = [g for g in inp.gaps if "prompt_blocks" not in g]
+    notes = [g for g in inp.gaps if "prompt_blocks" not in g and "token_causes" not in g]
     chains, b0 = _chains(directory, load.read_table(inp, "prompt_blocks"))
     steps = load.read_table(inp, "step")
     reqs, finish_at = _requests(inp, chains, steps, notes)
     closed = _closed_loop(reqs, finish_at)
     recorded = recorded_figures(inp, steps, b0)
-    return Workload(reqs, b0, recorded, fit_steps(steps), notes + [f"{closed} of {len(reqs)} requests replayed closed-loop"])
+    storage = fit(inp)
+    quiet = quiet_steps(steps, inp)
+    model = fit_steps(steps.filter(pa.array(quiet)) if steps.num_rows and quiet.sum() >= 3 else steps)
+    recorded["ttft"] = recorded_ttft(inp, steps)
+    return Workload(reqs, b0, recorded, model, notes + [f"{closed} of {len(reqs)} requests replayed closed-loop"]
+                    + ([f"storage: {storage.note}"] if storage.note else []), storage)
+
+
+def recorded_ttft(inp: load.Inputs, steps: pa.Table) -> dict:
+    """TTFT p50/p90 of the recording as the analysis counts it (arrival to the end of the step of
+    the last prefill chunk), for the table beside the predictions."""
+    ch = load.read_table(inp, "chunk")
+    arr = _by_req(inp, "arrive", "t_ns")
+    st_end = {(r, p, s): e for r, p, s, e in zip(_col(steps, "run", ""), _col(steps, "pid", 0), _col(steps, "step"),
+                                                _col(steps, "t_end_ns"))}
+    last = {}
+    for run, pid, rid, att, step, is_last in zip(_col(ch, "run", ""), _col(ch, "pid", 0), _col(ch, "request"),
+                                                 _col(ch, "attempt", 0), _col(ch, "step"), _col(ch, "last", 0)):
+        if is_last and att == 0:
+            k = (run, pid, rid)
+            last[k] = min(last.get(k, step), step)
+    ttft = sorted(st_end[(k[0], k[1], s)] - arr[k] for k, s in last.items() if k in arr and (k[0], k[1], s) in st_end)
+    if not ttft:
+        return {"p50_ns": None, "p90_ns": None}
+    return {"p50_ns": ttft[(len(ttft) + 1) // 2 - 1], "p90_ns": ttft[max(-(-len(ttft) * 9 // 10) - 1, 0)]}
 
 
 def _recorded_cache_blocks(inp: load.Inputs) -> int | None:

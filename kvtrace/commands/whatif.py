@@ -34,12 +34,17 @@ def _ints(minimum: int = 1):
               help="KV cache size(s) in blocks (vLLM --num-gpu-blocks-override: the null block included, so at least 2), "
                    "comma-separated; a size whose replay would take more than half of MemAvailable is refused.")
 @click.option("--storage-tier", default=None,
-              help="Comma-separated: none, or file[:BLOCKS] (a KV connector that stores every computed block and "
-                   "loads a prefix back at admission; BLOCKS, a whole number above 0, bounds it, LRU). Default: none.")
+              help="Comma-separated: none, or file[:BLOCKS][@READ_GBPS[/LATENCY_US]] (a KV connector that stores every "
+                   "computed block and loads a prefix back at admission; BLOCKS, a whole number above 0, bounds it, LRU; "
+                   "READ_GBPS and LATENCY_US, its read speed and latency per block, else the recorded ones). Default: none.")
 @click.option("--max-num-seqs", type=click.IntRange(1), default=256, show_default=True, help="Running requests at most (vLLM --max-num-seqs).")
 @click.option("--json", "as_json", is_flag=True, help="Print the predictions as JSON.")
-def command(directory, chunk_size, block_size, cache_blocks, storage_tier, max_num_seqs, as_json) -> int:
-    """Predict hit rate, recomputed tokens, evictions and storage loads for other settings."""
+@click.option("--wide", is_flag=True, help="Show every column, however wide the lines get.")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None,
+              help="Also write an HTML page: heat maps of TTFT p50 and hit rate over chunk size and storage tier.")
+def command(directory, chunk_size, block_size, cache_blocks, storage_tier, max_num_seqs, as_json, wide, html_path) -> int:
+    """Predict hit rate, recomputed tokens, evictions, storage loads and wait, TTFT and throughput
+    for other settings; every combination of the comma-separated values is replayed."""
     import json
 
     from kvtrace.analysis import whatif  # lazy: start-up cost: the CLI imports every command's module (cli._register)
@@ -47,8 +52,18 @@ def command(directory, chunk_size, block_size, cache_blocks, storage_tier, max_n
     tiers = [t.strip() for t in storage_tier.split(",")] if storage_tier else None
     res = whatif.run(directory, chunk_sizes=chunk_size, block_sizes=block_size,
                      cache_blocks=cache_blocks, tiers=tiers, max_num_seqs=max_num_seqs)
+    if html_path:
+        from kvtrace.analysis import whatif_render  # lazy: only --html needs it
+        from kvtrace.dataset.writer import private_open  # lazy: as above
+        from kvtrace.errors import OutputError  # lazy: as above
+
+        try:
+            with private_open(html_path, "w") as f:
+                f.write(whatif_render.to_html(res))
+        except OSError as e:
+            raise OutputError(f"cannot write {html_path}: {e.strerror}") from None
     if as_json:
         click.echo(json.dumps(res, indent=1))
     else:
-        whatif.print_table(res)
+        whatif.print_table(res, wide=wide)
     return 0

@@ -119,6 +119,9 @@ class VllmServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vLLM exited with {self.proc.returncode}; see {self.log_path}:\n" + self.tail())
+            if self._failed():   # some releases hang on shutdown after a failed engine start
+                self.stop()
+                raise RuntimeError(f"vLLM's engine failed to start; see {self.log_path}:\n" + self.tail())
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
                     if r.status == 200:
@@ -128,6 +131,14 @@ class VllmServer:
             time.sleep(1)
         self.stop()
         raise RuntimeError(f"vLLM did not answer within {timeout:.0f}s; see {self.log_path}")
+
+    def _failed(self) -> bool:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(os.fstat(f.fileno()).st_size - 65536, 0))
+                return b"Engine core initialization failed" in f.read()
+        except OSError:
+            return False
 
     @property
     def url(self) -> str:

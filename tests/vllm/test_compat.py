@@ -169,7 +169,9 @@ def test_live_injection_against_the_release(release, tmp_path):
         loaded = check_loads(ds, worker, tmp_path / "blocks", tmp_path / "stats")
         for name, resp in bursts.items():
             (a,) = [x for x in ds.table("admit").to_pylist() if x["request"].startswith(f"cmpl-{name}-") and x["attempt"] == 0]
-            assert a["cached_local"] + a["cached_external"] == resp["usage"]["prompt_tokens_details"]["cached_tokens"]
+            # (vLLM before about 0.21 leaves prompt_tokens_details null when nothing was cached)
+            cached = (resp["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            assert a["cached_local"] + a["cached_external"] == cached
         summary = {"release": release, **reqs_ok, "admissions": admits, "evictions": evicted,
                    "preemptions": len(preempts), "external_hit_tokens": again["cached_external"],
                    "loaded_bytes": loaded, "engine": engine}
