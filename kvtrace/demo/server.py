@@ -91,6 +91,7 @@ class VllmServer:
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
     model_name: str = "tiny"   # a key of MODELS
+    cgroup: str | None = None  # a cgroup (v1 or v2 directory) to start the server in, e.g. a blkio one
 
     def start(self, timeout: float = 600.0) -> "VllmServer":
         self.port = self.port or free_port()
@@ -113,8 +114,15 @@ class VllmServer:
         env.pop("PYTHONPATH", None)
         env.update(self.env)
         log = open(self.log_path, "wb")
+        join = None
+        if self.cgroup:
+            procs = os.path.join(self.cgroup, "cgroup.procs")
+
+            def join() -> None:   # in the child, before exec: it and every process it starts are in the cgroup
+                with open(procs, "w") as f:
+                    f.write(str(os.getpid()))
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     cwd=self.workdir, start_new_session=True)
+                                     cwd=self.workdir, start_new_session=True, preexec_fn=join)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

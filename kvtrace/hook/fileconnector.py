@@ -39,6 +39,7 @@ from kvtrace (tests/unit/test_packaging.py checks this).
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import time
 from dataclasses import dataclass, field
@@ -250,6 +251,8 @@ class KvtraceFileConnector(KVConnectorBase_V1):
             raise ValueError('KvtraceFileConnector needs kv_connector_extra_config {"path": DIR}')
         self.dir = os.path.abspath(str(path))
         self.fsync = bool(cfg.get_from_extra_config("fsync", False))
+        # O_DIRECT reads: every load reaches the device (a storage tier measured, not the page cache)
+        self.direct = bool(cfg.get_from_extra_config("direct_io", False))
         self.layout = block_layout(vllm_config, kv_cache_config)
         check_layout(self.dir, self.layout)
         self.block_size = self.layout["block_size"]
@@ -273,7 +276,7 @@ class KvtraceFileConnector(KVConnectorBase_V1):
         else:
             self.stats = _Stats(stats_dir, "worker")
             self._layers: list[tuple[str, torch.Tensor, int]] = []  # name, kv tensor, rows/block
-            self._stage: bytearray | None = None
+            self._stage: mmap.mmap | None = None
             self._stage_views: list[torch.Tensor] = []
             self._bad_blocks: set[int] = set()
             self._failed_reqs: set[str] = set()
@@ -414,7 +417,9 @@ class KvtraceFileConnector(KVConnectorBase_V1):
             layers.append((name, kv, rows))
             shapes.append((offset, nbytes, kv.dtype, tuple(piece.shape)))
             offset += nbytes
-        self._stage = bytearray(self.block_bytes)
+        if self.direct and self.block_bytes % mmap.PAGESIZE:
+            raise ValueError(f"direct_io needs a block of whole pages ({mmap.PAGESIZE} bytes); a block is {self.block_bytes}")
+        self._stage = mmap.mmap(-1, self.block_bytes)   # page-aligned, as O_DIRECT reads need
         base = torch.frombuffer(self._stage, dtype=torch.uint8)
         self._stage_views = [base[o:o + nb].view(dt).view(shape) for o, nb, dt, shape in shapes]
         self._layers = layers
@@ -464,7 +469,7 @@ class KvtraceFileConnector(KVConnectorBase_V1):
         if self._stage is None:
             raise RuntimeError("KV caches not registered")
         path = self._path(hex_hash)
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if self.direct else 0))
         try:
             size = os.fstat(fd).st_size
             if size != self.block_bytes:
