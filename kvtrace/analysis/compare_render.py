@@ -28,6 +28,10 @@ def delta(v, unit: str) -> str:
         return f"{100 * v:+.2f} pt"
     if unit == "s":
         return f"{v:+.3f} s"
+    if unit in ("tok/s", "tok"):
+        return f"{v:+,.1f}"
+    if unit == "GB/s":
+        return f"{v:+.4f}"
     return f"{v:+,.3g}"
 
 
@@ -43,10 +47,13 @@ def terminal(result: dict, console: Console | None = None, wide: bool = False) -
                   f"in {n['window_s']:.2f} s, bottleneck {n['bottleneck']}"])
     cols = [Col("figure", justify="left"), Col("BASE"), Col("NEW"), Col("delta"), Col("NEW/BASE", 1),
             Col("what", 3, justify="left", wrap="word")]
+    shown = [f for f in result["figures"] if f["base"] or f["new"]]
     rows = [[f["figure"], value(f["base"], f["unit"]), value(f["new"], f["unit"]), delta(f["delta"], f["unit"]),
-             "-" if f["ratio"] is None else f"{f['ratio']:.3f}", f["what"]]
-            for f in result["figures"] if f["base"] is not None or f["new"] is not None]
+             "-" if f["ratio"] is None else f"{f['ratio']:.3f}", f["what"]] for f in shown]
     t.table("NEW against BASE", cols, rows)
+    quiet = [f["figure"] for f in result["figures"] if f not in shown]
+    if quiet:
+        t.prose("  0 or none in both runs", ", ".join(quiet))
     if result["gates"]:
         t.table("Gates", [Col("gate", justify="left"), Col("change"), Col("result")],
                 [[g["gate"], "-" if g["change"] is None else f"{g['change']:+.2f}{'%' if g['unit'] == '%' else ' ' + g['unit']}",

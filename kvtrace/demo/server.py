@@ -83,6 +83,8 @@ def free_port() -> int:
 class VllmServer:
     """A vLLM OpenAI server on 127.0.0.1:port; ``start()`` waits until it answers."""
 
+    ENGINE = "vLLM"
+
     args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     port: int = 0
@@ -101,17 +103,11 @@ class VllmServer:
         model = write_tiny_model(self.workdir / f"{self.model_name}-llama", MODELS[self.model_name])
         self.model = str(model)
         self.log_path = self.workdir / "server.log"
-        cmd = [
-            self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-            "--load-format", "dummy", "--skip-tokenizer-init", "--host", "127.0.0.1",
-            "--port", str(self.port), "--max-model-len", "4096", *self.args,
-        ]
-        # VLLM_CPU_KVCACHE_SPACE (whole GiB) keeps the CPU worker from reserving a fraction of all
-        # memory at start; it also overrides --kv-cache-memory-bytes, so size small caches with
-        # --num-gpu-blocks-override.  Callers may override it through env.
+        cmd = self.command()
         # The agent's PYTHONPATH is not the server's; a caller may still give one through env.
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        env = dict(os.environ)
         env.pop("PYTHONPATH", None)
+        env.update(self.base_env())
         env.update(self.env)
         log = open(self.log_path, "wb")
         join = None
@@ -126,10 +122,10 @@ class VllmServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.proc.returncode}; see {self.log_path}:\n" + self.tail())
+                raise RuntimeError(f"{self.ENGINE} exited with {self.proc.returncode}; see {self.log_path}:\n" + self.tail())
             if self._failed():   # some releases hang on shutdown after a failed engine start
                 self.stop()
-                raise RuntimeError(f"vLLM's engine failed to start; see {self.log_path}:\n" + self.tail())
+                raise RuntimeError(f"{self.ENGINE}'s engine failed to start; see {self.log_path}:\n" + self.tail())
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
                     if r.status == 200:
@@ -138,7 +134,7 @@ class VllmServer:
                 pass
             time.sleep(1)
         self.stop()
-        raise RuntimeError(f"vLLM did not answer within {timeout:.0f}s; see {self.log_path}")
+        raise RuntimeError(f"{self.ENGINE} did not answer within {timeout:.0f}s; see {self.log_path}")
 
     def _failed(self) -> bool:
         try:
@@ -147,6 +143,17 @@ class VllmServer:
                 return b"Engine core initialization failed" in f.read()
         except OSError:
             return False
+
+    def command(self) -> list[str]:
+        return [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+                "--load-format", "dummy", "--skip-tokenizer-init", "--host", "127.0.0.1",
+                "--port", str(self.port), "--max-model-len", "4096", *self.args]
+
+    def base_env(self) -> dict[str, str]:
+        # VLLM_CPU_KVCACHE_SPACE (whole GiB) keeps the CPU worker from reserving a fraction of all
+        # memory at start; it also overrides --kv-cache-memory-bytes, so size small caches with
+        # --num-gpu-blocks-override.  Callers may override it through env.
+        return {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
     @property
     def url(self) -> str:

@@ -35,8 +35,9 @@ except ImportError:  # imported from a path where kvtrace is not installed: use 
     finally:
         sys.path.remove(_root)
 
-HOOK_VERSION = "4"  # 2: evictions batched (wire record 13); 3: records sent every 100 ms (record 14);
-# 4: one kv_step record per Worker step (record 15) instead of a kv_load and a kv_store
+HOOK_VERSION = "5"  # 2: evictions batched (wire record 13); 3: records sent every 100 ms (record 14);
+# 4: one kv_step record per Worker step (record 15) instead of a kv_load and a kv_store;
+# 5: records 16-19 for the miss causes (lookup, prompt_plain, cached, resume_blocks); vLLM checked, not versioned
 MAX_QUEUE = 20000          # records waiting for their flush
 # Engine records are sent at a step end once FLUSH_EVERY_NS have passed since the last send, once
 # FLUSH_RECORDS are queued, or when the scheduler has no request left (the engine then waits for

@@ -23,6 +23,7 @@ import pytest
 
 from kvtrace.dataset.reader import Dataset
 from kvtrace.demo import workload
+from kvtrace.hook.state import HOOK_VERSION
 from kvtrace.demo.server import TINY_LLAMA, VllmServer, release_python
 from tests import helpers
 from tests.vllm.conftest import BLOCK_SIZE, SERVER_ARGS, KvEventSink, free_port
@@ -189,7 +190,8 @@ def test_plugin_at_start_against_the_release(release, tmp_path):
     server = start(release, tmp_path, plugin=True, zport=zport)
     try:
         log = server.log_path.read_text(errors="replace")
-        assert "kvtrace hook 4 installed (engine+worker)" in log and "kvtrace hook 4 installed (worker)" in log
+        assert f"kvtrace hook {HOOK_VERSION} installed (engine+worker)" in log and \
+            f"kvtrace hook {HOOK_VERSION} installed (worker)" in log
         out = tmp_path / "ds"
         agent = Agent(server, out)
         try:
