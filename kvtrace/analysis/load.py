@@ -73,6 +73,8 @@ COLUMNS: dict[str, list[tuple[str, str, str]]] = {
     "nic_counters": [("ts_ns", "ts_ns", "I"), ("interval_ns", "interval_ns", "I"), ("device", "device", "S"),
                      ("port", "port", "I"), ("name", "name", "S"), ("delta", "delta", "I")],
     "vllm_metrics": [("ts_ns", "ts_ns", "I"), ("name", "name", "S"), ("labels", "labels", "S"), ("value", "value", "F")],
+    "sglang_metrics": [("ts_ns", "ts_ns", "I"), ("name", "name", "S"), ("labels", "labels", "S"), ("value", "value", "F")],
+    "engine": [("pid", "pid", "I"), ("name", "name", "S"), ("version", "version", "S"), ("block_size", "block_size", "I")],
 }
 HOOK_TABLES = ("step", "chunk", "admit", "evict", "preempt", "kv_load", "kv_store", "arrive", "finish", "prompt_blocks")
 # Without these there is nothing of vLLM to analyse.

@@ -218,6 +218,7 @@ FIGURES: dict[str, str] = {
           AND c.chunk_index = 0 WHERE a.attempt = 0) t GROUP BY bucket ORDER BY bucket""",
     # ---- chunking versus blocks ----
     "block_size": "SELECT run, pid, bs FROM bsz ORDER BY run, pid",
+    "server": "SELECT name, version, MAX(block_size) AS block_size FROM engine GROUP BY name, version ORDER BY name, version",
     "partial_blocks": """SELECT COUNT(*) AS chunks_not_last,
         COALESCE(SUM(CASE WHEN (c.tok_start + c.tok_len) % b.bs <> 0 THEN 1 ELSE 0 END), 0) AS mid_block_ends,
         COALESCE(SUM((c.tok_start + c.tok_len) % b.bs), 0) AS partial_tokens
@@ -375,9 +376,13 @@ FIGURES: dict[str, str] = {
     "read_bytes": f"""SELECT (SELECT COALESCE(SUM(nbytes), 0) FROM kv_load WHERE request <> '') AS kv_load_bytes,
         (SELECT COALESCE(SUM(bytes * COALESCE(NULLIF(weight, 0), 1)), 0) FROM block_io WHERE op = 'R' AND (error = 0 OR error IS NULL)) AS block_read_bytes,
         (SELECT COALESCE(SUM(bytes * w), 0) FROM fread) AS file_read_bytes""",
-    "metrics": """WITH m AS (SELECT run, ts_ns, name, SUM(value) AS v FROM vllm_metrics WHERE name IN (
+    "metrics": """WITH m AS (SELECT run, ts_ns, name, SUM(value) AS v FROM (
+            SELECT run, ts_ns, name, value FROM vllm_metrics UNION ALL SELECT run, ts_ns, name, value FROM sglang_metrics) a
+          WHERE name IN (
           'vllm:prefix_cache_hits_total', 'vllm:prefix_cache_queries_total', 'vllm:external_prefix_cache_hits_total',
-          'vllm:external_prefix_cache_queries_total', 'vllm:num_preemptions_total') GROUP BY run, ts_ns, name)
+          'vllm:external_prefix_cache_queries_total', 'vllm:num_preemptions_total', 'sglang:cached_tokens_total',
+          'sglang:prompt_tokens_total', 'sglang:num_retracted_requests_total', 'sglang:evicted_tokens_total')
+          GROUP BY run, ts_ns, name)
         SELECT name, SUM(rise) AS rise, SUM(scrapes) AS scrapes FROM (
           SELECT run, name, MAX(v) - MIN(v) AS rise, COUNT(*) AS scrapes FROM m GROUP BY run, name) t
         GROUP BY name ORDER BY name""",

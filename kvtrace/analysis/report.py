@@ -142,6 +142,7 @@ def build(rows: dict[str, list[dict]], inp: load.Inputs) -> dict:
     gaps = list(inp.gaps)
     rep: dict = {"gaps": gaps}
     rep["block_size"] = _block_size(rows, gaps)
+    rep["server"] = _server(rows)
     rep["reuse"] = reuse = _reuse(rows, one)
     pt = reuse["prompt_tokens"]
     rep["chunking"] = _chunking(rows, one, pt)
@@ -176,6 +177,21 @@ def _block_size(rows: dict[str, list[dict]], gaps: list[str]):
         gaps.append("block size unknown (no prompt_blocks records and no local hit): give --block-size for the "
                     "partial-block, in-flight and eviction figures")
     return sizes[0] if len(sizes) == 1 else (sizes or None)
+
+
+RADIX_NOTE = ("SGLang's radix cache is token-granular (page size 1): a block in these figures is one token, so "
+              "hits, misses and evictions count tokens, a chunk never ends inside a block, and a prompt's last "
+              "token is always computed (SGLang matches at most its length - 1)")
+
+
+def _server(rows: dict[str, list[dict]]) -> dict:
+    """The serving engine(s) the hook ran in (its engine records; none before hook 5: vLLM) and
+    what the figures count on its cache."""
+    engines = [{"name": r["name"], "version": r["version"], "block_size": r["block_size"]} for r in rows["server"]]
+    names = {e["name"] for e in engines} or {"vllm"}
+    counts = RADIX_NOTE if names == {"sglang"} else (
+        "vLLM's prefix cache holds fixed blocks: hits count whole blocks, a prompt's partial last block never hits")
+    return {"engines": engines, "counts": counts}
 
 
 def _reuse(rows: dict[str, list[dict]], one: dict[str, dict]) -> dict:
@@ -388,6 +404,8 @@ def metrics_note(mrows: list[dict], reuse: dict) -> dict:
     m = {r["name"]: r["rise"] for r in mrows}
     if not m:
         return {"available": False}
+    if any(k.startswith("sglang:") for k in m):
+        return _sglang_metrics_note(m, reuse)
     hits, queries_ = m.get("vllm:prefix_cache_hits_total"), m.get("vllm:prefix_cache_queries_total")
     ext = m.get("vllm:external_prefix_cache_hits_total") or 0
     rate = _ratio(hits or 0, queries_ or 0)
@@ -404,6 +422,21 @@ def metrics_note(mrows: list[dict], reuse: dict) -> dict:
     why.append("re-admissions after preemption are in neither figure (vLLM keeps them in stats it does not export)")
     return {"available": True, "rises": m, "local_hit_rate": rate,
             "combined_hit_rate": _ratio((hits or 0) + ext, queries_ or 0), "why_different": why}
+
+
+def _sglang_metrics_note(m: dict, reuse: dict) -> dict:
+    hits, prompt = m.get("sglang:cached_tokens_total"), m.get("sglang:prompt_tokens_total")
+    why = []
+    if prompt is not None and prompt != reuse["prompt_tokens"]:
+        why.append(f"/metrics counted {prompt:,.0f} prompt tokens against {reuse['prompt_tokens']:,} in the hook's "
+                   "admissions: SGLang counts a request when it finishes, in its HTTP process, for every request "
+                   "between the first and last scrape")
+    if hits is not None and hits != reuse["hit_local"]:
+        why.append(f"sglang:cached_tokens_total rose {hits:,.0f} vs the hook's first-admission hits {reuse['hit_local']:,}")
+    why.append("SGLang's cached tokens are each request's first match; a retracted request's re-admission is in "
+               "neither figure")
+    return {"available": True, "rises": m, "local_hit_rate": _ratio(hits or 0, prompt or 0),
+            "combined_hit_rate": _ratio(hits or 0, prompt or 0), "why_different": why}
 
 
 def verdict(rep: dict) -> dict:
@@ -437,6 +470,9 @@ def verdict(rep: dict) -> dict:
 def headline(rep: dict) -> list[str]:
     r, c = rep["reuse"], rep["chunking"]
     out = []
+    if any(e["name"] == "sglang" for e in rep["server"]["engines"]):
+        v = ", ".join(f"{e['name']} {e['version']}" for e in rep["server"]["engines"])
+        out.append(f"engine: {v}; {rep['server']['counts']}")
     if r["hit_rate"] is not None:
         out.append(f"KV reuse: {100 * r['hit_rate']:.2f}% of {r['prompt_tokens']:,} prompt tokens hit at admission "
                    f"({100 * (r['local_rate'] or 0):.2f}% local prefix cache, {100 * (r['external_rate'] or 0):.2f}% storage)")

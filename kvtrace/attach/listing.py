@@ -1,4 +1,4 @@
-"""The table of vLLM servers that `kvtrace servers` prints and `attach` shows when it must
+"""The table of vLLM and SGLang servers that `kvtrace servers` prints and `attach` shows when it must
 ask which server to trace."""
 from __future__ import annotations
 
@@ -15,6 +15,12 @@ def kv_label(info) -> str:
     if kv.dp_size > 1:
         out += f" ({kv.dp_size} DP ranks: port + rank)"
     return out
+
+
+def engine(info) -> str:
+    """"vLLM 0.32.0", "SGLang 0.5.23"."""
+    name = "SGLang" if getattr(info, "engine", "vllm") == "sglang" else "vLLM"
+    return f"{name} {info.vllm_version or '?'}"
 
 
 def where(info) -> str:
@@ -41,13 +47,13 @@ def render(servers, console=None, hooks: list[str] | None = None) -> None:
     console = console or _console(stderr=True)
     cols = [Col("API pid", justify="left", wrap="word"), Col("port", justify="left"),
             Col("EngineCore", 3, justify="left", wrap="word"), Col("Workers", 3, justify="left", wrap="word"),
-            Col("Python", 4, justify="left"), Col("vLLM", 1, justify="left"), Col("hook", 1, justify="left"),
+            Col("Python", 4, justify="left"), Col("engine", 1, justify="left", wrap="word"), Col("hook", 1, justify="left"),
             Col("plugin", 2, justify="left"),
             Col("KV events", 1, justify="left", wrap="fold"), Col("model", justify="left", wrap="fold")]
     rows = [[" ".join(map(str, s.api_pids)), str(s.port) if s.port is not None else "-",
              " ".join(map(str, s.engine_pids)) or "-", " ".join(map(str, s.worker_pids)) or "-",
-             s.python_version or "?", s.vllm_version or "?", h, {"installed": "yes", "absent": "no"}.get(s.plugin, s.plugin),
+             s.python_version or "?", engine(s), h, {"installed": "yes", "absent": "no"}.get(s.plugin, s.plugin),
              kv_label(s), (os.path.basename((s.model or "?").rstrip("/")) or s.model) + where(s)]
             for s, h in zip(servers, hooks or ["?"] * len(servers))]
-    Term(console, hint="kvtrace servers --json shows them").table(f"vLLM servers ({len(servers)})", cols, rows,
+    Term(console, hint="kvtrace servers --json shows them").table(f"LLM servers ({len(servers)})", cols, rows,
                                                                    title_justify="left")

@@ -18,16 +18,16 @@ def choose_server(port: int | None, yes: bool):
             return match[0]
         if not match:
             ports = ", ".join(str(s.port) for s in servers) or "none"
-            raise TargetError(f"no vLLM server listens on port {port} (vLLM servers found on ports: {ports})")
+            raise TargetError(f"no vLLM or SGLang server listens on port {port} (servers found on ports: {ports})")
         servers = match
     if not servers:
-        raise UsageError("nothing to trace: no vLLM server found; give --pid PID, or a command after -- (kvtrace attach --out DIR -- CMD)")
+        raise UsageError("nothing to trace: no vLLM or SGLang server found; give --pid PID, or a command after -- (kvtrace attach --out DIR -- CMD)")
     if len(servers) == 1 and (yes or port is not None):
         return servers[0]
     render(servers, hooks=[hooksupport.label(hooksupport.verdict(s)) for s in servers])
     if len(servers) == 1:
-        raise UsageError("found 1 vLLM server: pass --yes to attach to it, or pick it with --port PORT / --pid PID")
-    raise UsageError(f"found {len(servers)} vLLM servers: pick one with --port PORT or --pid PID")
+        raise UsageError("found 1 server: pass --yes to attach to it, or pick it with --port PORT / --pid PID")
+    raise UsageError(f"found {len(servers)} servers: pick one with --port PORT or --pid PID")
 
 
 def server_of(pids) -> object | None:

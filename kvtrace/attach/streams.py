@@ -22,16 +22,18 @@ def start_vllm_streams(server, kv_events: str | None, kv_replay: str | None, met
     root = f"/proc/{server.pid}/root" if server is not None and server.in_container else None
     ns = getattr(server, "netns", None)  # the server's own network namespace, when not kvtrace's
     endpoints: list[tuple[str, str | None, str]] = []  # (vLLM-side endpoint, replay, topic)
+    binds = None  # SGLang's explicit bind setting
     if kv_events:
         endpoints.append((kv_events, kv_replay, ""))
     elif server is not None and server.kv_events is not None and server.kv_events.enabled:
         kv = server.kv_events
+        binds = kv.bind
         for rank in range(kv.dp_size):
             endpoints.append((kvevents.rank_endpoint(kv.endpoint, rank),
                               kvevents.rank_endpoint(kv.replay_endpoint, rank), kv.topic))
     for endpoint, replay, topic in endpoints:
         try:
-            address, bind = kvevents.subscriber_endpoint(endpoint, root=root)
+            address, bind = kvevents.subscriber_endpoint(endpoint, root=root, publisher_binds=binds)
         except ValueError as e:
             echo(f"kvtrace: warning: {e}; capture continues without kv_events")
             continue
@@ -47,13 +49,17 @@ def start_vllm_streams(server, kv_events: str | None, kv_replay: str | None, met
         notes.append("no kv_events (the server was started without --kv-events-config)")
     url = metrics_url or (server.metrics_url if server is not None else None)
     if url:
-        scraper = MetricsScraper(url, interval=metrics_interval, netns=ns)
+        sglang = getattr(server, "engine", "vllm") == "sglang"
+        table = "sglang_metrics" if sglang else "vllm_metrics"
+        scraper = MetricsScraper(url, interval=metrics_interval, netns=ns, table=table,
+                                 prefixes=("sglang:",) if sglang else ("vllm:",))
         for w in scraper.start():
             echo(f"kvtrace: warning: {w}")
         sidecars.append(scraper)
-        notes.append(f"vllm_metrics from {url} every {metrics_interval:g}s")
+        notes.append(f"{table} from {url} every {metrics_interval:g}s")
     if notes and ns:
         notes.append(f"inside the server's network namespace {server.netns_id}")
     if notes:
-        echo("kvtrace: vLLM streams: " + "; ".join(notes))
+        name = "SGLang" if getattr(server, "engine", "vllm") == "sglang" else "vLLM"
+        echo(f"kvtrace: {name} streams: " + "; ".join(notes))
     return sidecars

@@ -1,4 +1,4 @@
-"""`kvtrace servers`: list the vLLM servers running on this host."""
+"""`kvtrace servers`: list the vLLM and SGLang servers running on this host."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ from kvtrace.attach.listing import _console, render
 @click.command("servers")
 @click.option("--json", "as_json", is_flag=True, help="Print the servers as JSON (one array) on stdout.")
 def command(as_json: bool) -> int:
-    """List running vLLM servers: pids, port, versions, whether the hook supports their vLLM
+    """List running vLLM and SGLang servers: pids, port, versions, whether the hook supports their vLLM
     (and the first thing that differs where it does not), KV-event endpoint, kvtrace plugin."""
     from kvtrace.vllm.discover import discover  # lazy: start-up cost: the CLI imports every command's module (cli._register)
     from kvtrace.vllm import hooksupport  # lazy: start-up cost, as above
@@ -22,7 +22,8 @@ def command(as_json: bool) -> int:
                               indent=2))
         return 0
     if not servers:
-        click.echo("kvtrace: no vLLM server found (looked for `vllm serve` / `python -m vllm.entrypoints...`)", err=True)
+        click.echo("kvtrace: no vLLM or SGLang server found (looked for `vllm serve` / `python -m vllm.entrypoints...`"
+                   " / `python -m sglang.launch_server` / `sglang serve`)", err=True)
         return 0
     console = _console(stderr=False)
     render(servers, console, hooks=[hooksupport.label(v) for v in verdicts])

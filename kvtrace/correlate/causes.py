@@ -217,19 +217,31 @@ class CacheReplay:
         mine = self.kept.setdefault((pid, r, attempt), [])
         if len(self.kept) > KEEP:
             self.kept.popitem(last=False)
-        self._emit_into(mine, pid, r, attempt, step, segs)
+        self._emit_into(mine, pid, r, attempt, step, segs, self.engines[pid].block_size == 1)
         self.segments.extend(mine)
 
-    def _emit_into(self, out: list, pid: int, r: str, attempt: int, step: int, segs: list) -> None:
+    def _emit_into(self, out: list, pid: int, r: str, attempt: int, step: int, segs: list,
+                   tokens: bool = False) -> None:
+        """``tokens``: a token-granular cache (SGLang's radix tree): consecutive tokens evicted by
+        one eviction (same time and request), or computed by one other request, make one segment,
+        with its first token's hash and distance."""
         for start, end, cause, detail in segs:
             if end <= start:
                 continue
             last = out[-1] if out else None
-            if (last is not None and not detail and last.request == r and last.attempt == attempt
-                    and last.cause == cause and last.end == start and not last.evict_ns and not last.computing):
+            if last is not None and last.request == r and last.attempt == attempt and last.cause == cause \
+                    and last.end == start and (_same(last, detail) if tokens else
+                                               not detail and not last.evict_ns and not last.computing):
                 last.end = end
                 continue
             out.append(Segment(pid, r, attempt, step, start, end, cause, **detail))
+
+
+def _same(last: Segment, detail: dict) -> bool:
+    """Whether one more token with this detail continues segment ``last`` (the same eviction, the
+    same computing request, or neither)."""
+    return (last.evict_ns == detail.get("evict_ns", 0) and last.evicted_by == detail.get("evicted_by", "")
+            and last.computing == detail.get("computing", ""))
 
 
 def _put(d: dict, request: str, first: int, hashes) -> None:

@@ -75,6 +75,10 @@ TABLES: dict[str, pa.Schema] = {
     "vllm_metrics": pa.schema([
         ("ts_ns", u64), ("name", s), ("labels", s), ("value", f64), ("type", s),
     ]),
+    # SGLang's sglang:* series, as vllm_metrics holds vLLM's
+    "sglang_metrics": pa.schema([
+        ("ts_ns", u64), ("name", s), ("labels", s), ("value", f64), ("type", s),
+    ]),
     # ---- NVMe(-oF), transport and NIC tables (probes nvme/tcp/rdma, kvtrace.fabric) ----
     # One row per NVMe command attempt (sampled under load: weight = commands it stands for).
     "nvme_cmd": pa.schema([

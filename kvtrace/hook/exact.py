@@ -68,22 +68,24 @@ return _kv_r
 """
 
 
-def exact(orig, pre, post, abort, names, name: str):
+def exact(orig, pre, post, abort, names, name: str, params_of=None):
     """The function above, for orig (TypeError when why_not says it cannot be made)."""
     return inline(orig, EXACT_BODY.replace("{pre_args}", ", ".join(("self", *names))),
-                  {"_kv_pre": pre, "_kv_post": post, "_kv_abort": abort}, names, name)
+                  {"_kv_pre": pre, "_kv_post": post, "_kv_abort": abort}, names, name, params_of)
 
 
-def inline(orig, body: str, env: dict, names, name: str):
+def inline(orig, body: str, env: dict, names, name: str, params_of=None):
     """A function with orig's own parameters (and default objects) whose body is ``body``:
     Python source in which ``{call}`` stands for orig called with every parameter, the
     parameters in ``names`` (checked present) may be read, and the globals are ``env`` (names
     starting ``_kv``, as must the body's own locals: they cannot clash with a parameter).  For
-    a hot method, the hook's work written into the body saves the calls of a pre and a post."""
-    why = why_not(orig, names)
+    a hot method, the hook's work written into the body saves the calls of a pre and a post.
+    ``params_of``: the function whose parameters to spell out, when orig is a decorator's
+    ``*args, **kwargs`` wrapper of it (SGLang's stage-metric methods): orig is called with them."""
+    why = why_not(params_of or orig, names)
     if why:
         raise TypeError(f"{name} {why}")
-    params = _params(orig)
+    params = _params(params_of or orig)
     ns = {"_kv_orig": orig, **env}
     spelled = []
     for i, p in enumerate(params):

@@ -13,19 +13,25 @@ _FOLLOW = 6   # re-exports followed to find a class (vllm.x imports it from vllm
 
 
 class SourceTree:
-    """The vLLM package under ``root`` (the directory that holds ``vllm/``)."""
+    """The package (vLLM's, or SGLang's) under ``root`` (the directory that holds ``vllm/``)."""
 
-    def __init__(self, root: str):
-        self.root = root
+    def __init__(self, root: str, package: str = "vllm"):
+        self.root, self.package = root, package
         self._mods: dict[str, ast.Module | None] = {}
         self.files: dict[str, list[int]] = {}   # each file read: [size, mtime_ns], by path under root
 
     @classmethod
     def of_imported_vllm(cls) -> "SourceTree":
         """The tree of the vLLM this interpreter imports."""
-        import vllm
+        return cls.of_imported("vllm")
 
-        return cls(os.path.dirname(os.path.dirname(os.path.abspath(vllm.__file__))))
+    @classmethod
+    def of_imported(cls, package: str) -> "SourceTree":
+        """The tree of the package this interpreter imports."""
+        import importlib
+
+        mod = importlib.import_module(package)
+        return cls(os.path.dirname(os.path.dirname(os.path.abspath(mod.__file__))), package)
 
     def path(self, module: str) -> str | None:
         base = os.path.join(self.root, *module.split("."))
@@ -59,8 +65,8 @@ class SourceTree:
         return bool(files)
 
     def version(self) -> str | None:
-        """vllm/_version.py's __version__ (or version), as the wheel wrote it."""
-        tree = self.module("vllm._version")
+        """PACKAGE/_version.py's __version__ (or version), as the wheel wrote it."""
+        tree = self.module(self.package + "._version")
         for node in getattr(tree, "body", ()):
             targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
             for t in targets:

@@ -170,9 +170,12 @@ def _emit_stats(now: int) -> None:
     T.emit("hook_stats", now, T.emitted, T.dropped, T.errors, T.last_error)
 
 
-def _hook_start(role: str) -> None:
+def _hook_start(role: str, engine: str = "vllm", version: str | None = None, block_size: int = 0) -> None:
+    """hook_start (its version field: the engine's version) and the engine record."""
     now = time.monotonic_ns()
-    _enqueue(("hook_start", now, role, _vllm_version(), HOOK_VERSION))
+    version = _vllm_version() if version is None else version
+    _enqueue(("hook_start", now, role, version, HOOK_VERSION))
+    _enqueue(("engine", now, engine, version, block_size))
     _last["stats"] = 0  # a hook_stats with the first flush
 
 

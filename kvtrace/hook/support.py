@@ -7,20 +7,33 @@ Standard library only.
 """
 from __future__ import annotations
 
-from . import needs, plan, releases
+import os
+
+from . import needs, plan, releases, sglang_needs
 from .source import SourceTree
 
 ROLES = {"engine": needs.ENGINE_METHODS + needs.ENGINE_READS, "worker": needs.WORKER_METHODS + needs.WORKER_READS}
+SGLANG_ROLES = {"engine": sglang_needs.METHODS + sglang_needs.READS}
 
 
-def check(root: str) -> dict:
+def engine_at(root: str) -> str:
+    """"sglang" when ``root`` holds SGLang and no vLLM, else "vllm"."""
+    has = lambda pkg: os.path.isfile(os.path.join(root, pkg, "__init__.py"))  # noqa: E731
+    return "sglang" if has("sglang") and not has("vllm") else "vllm"
+
+
+def check(root: str, engine: str | None = None) -> dict:
     """The verdict for the vLLM under ``root`` (the directory holding ``vllm/``)::
 
         {"version": "0.32.0" or None, "root": root, "supported": bool,
          "roles": {"engine": [differences], "worker": [...]}, "connector": [...],
          "releases": {row: newer form present}, "files": {path: [size, mtime_ns]}}
 
-    A difference reads "target: what differs", in the order of kvtrace.hook.needs."""
+    A difference reads "target: what differs", in the order of kvtrace.hook.needs (of
+    kvtrace.hook.sglang_needs for SGLang: "engine" is then "sglang", its one role "engine", and
+    kvtrace's file connector does not apply)."""
+    if (engine or engine_at(root)) == "sglang":
+        return _check_sglang(root)
     src = SourceTree(root)
     version = src.version()
     roles = {role: plan.differences(targets, src) for role, targets in ROLES.items()}
@@ -30,7 +43,18 @@ def check(root: str) -> dict:
         roles = {role: ["vllm: no vLLM package here"] for role in roles}
         connector = ["vllm: no vLLM package here"]
     return {"version": version, "root": root, "supported": not any(roles.values()), "roles": roles,
-            "connector": connector, "releases": have, "files": dict(src.files)}
+            "connector": connector, "releases": have, "files": dict(src.files), "engine": "vllm"}
+
+
+def _check_sglang(root: str) -> dict:
+    src = SourceTree(root, "sglang")
+    if src.module("sglang") is None:
+        roles = {"engine": ["sglang: no SGLang package here"]}
+    else:
+        roles = {role: plan.differences(targets, src) for role, targets in SGLANG_ROLES.items()}
+    return {"version": src.version(), "root": root, "supported": not roles["engine"], "roles": roles,
+            "connector": ["kvtrace's file connector is a vLLM KV connector"], "releases": {},
+            "files": dict(src.files), "engine": "sglang"}
 
 
 def first(differences: list[str]) -> str:

@@ -106,6 +106,9 @@ RECORDS: dict[int, tuple[str, list[tuple[str, str]]]] = {
     # A re-admission after preemption: the request's block hashes past its prompt (its generated
     # tokens' full blocks), first = their index in the request's chain.
     19: ("resume_blocks", [("step", "Q"), ("request", "s"), ("attempt", "H"), ("first", "I"), ("hashes", "U")]),
+    # After each hook_start: the serving engine the hook is in ("vllm", "sglang"), its version, and
+    # its KV cache's tokens per block (SGLang's page size; 0: as prompt_blocks says).
+    20: ("engine", [("t_ns", "Q"), ("name", "s"), ("version", "s"), ("block_size", "I")]),
 }
 
 EVICTS_MAX = 200  # evictions per `evicts` record (3,200 bytes of blocks: one record fits a frame)

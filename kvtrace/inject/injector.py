@@ -71,14 +71,16 @@ def _remote_exec(pid: int, inner_path: str, timeout: float) -> None:
         raise TargetError(f"sys.remote_exec into {pid} failed: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}")
 
 
-def hook(pid: int, action: str = "install", timeout: float = 10.0, checked: dict | None = None) -> dict:
-    """Install or uninstall the vLLM hook in pid; returns the loader's report.  ``checked``: the
-    verdict on the target's vLLM source (kvtrace.hook.support.check), which the hook uses
-    instead of reading that source again while the target waits."""
+def hook(pid: int, action: str = "install", timeout: float = 10.0, checked: dict | None = None,
+         engine: str = "vllm") -> dict:
+    """Install or uninstall the hook of ``engine`` ("vllm", "sglang") in pid; returns the loader's
+    report.  ``checked``: the verdict on the target's source (kvtrace.hook.support.check), which
+    the hook uses instead of reading that source again while the target waits."""
     phases.mark("inject_start", action, pid)
     try:
         inner_dir, _ = stage.stage(pid, python=python_version(pid))
-        code = loader.render(inner_dir, "__RESULT__", action, owner=os.getpid(), checked=checked).replace('"__RESULT__"', "RESULT_PATH")
+        code = loader.render(inner_dir, "__RESULT__", action, owner=os.getpid(), checked=checked,
+                             engine=engine).replace('"__RESULT__"', "RESULT_PATH")
         return run(pid, code, timeout)
     finally:
         phases.mark("inject_end", action, pid)

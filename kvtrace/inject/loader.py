@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 
 TEMPLATE = r'''
-def _kvtrace_loader(hook_dir, result_path, action, owner, checked):
-    import json, os, sys, time
+def _kvtrace_loader(hook_dir, result_path, action, owner, checked, module):
+    import importlib, json, os, sys, time
     res = {"pid": os.getpid(), "t_ns": time.monotonic_ns(), "action": action}
     try:
-        mod = sys.modules.get("kvtrace.hook.vllm_hook")
+        mod = sys.modules.get(module)
         res["reused"] = mod is not None
         if mod is None and action != "install":
             res["installed"] = False
@@ -21,7 +21,7 @@ def _kvtrace_loader(hook_dir, result_path, action, owner, checked):
         elif mod is None:
             sys.path.insert(0, hook_dir)
             try:
-                import kvtrace.hook.vllm_hook as mod
+                mod = importlib.import_module(module)
             finally:
                 try:
                     sys.path.remove(hook_dir)
@@ -50,16 +50,22 @@ def _kvtrace_loader(hook_dir, result_path, action, owner, checked):
     with open(tmp, "w") as f:
         json.dump(res, f, default=str)
     os.replace(tmp, result_path)
-_kvtrace_loader(@HOOK_DIR@, @RESULT@, @ACTION@, @OWNER@, @CHECKED@)
+_kvtrace_loader(@HOOK_DIR@, @RESULT@, @ACTION@, @OWNER@, @CHECKED@, @MODULE@)
 del _kvtrace_loader
 '''
 
 
-def render(hook_dir: str, result_path: str, action: str, owner: int = 0, checked: dict | None = None) -> str:
+MODULES = {"vllm": "kvtrace.hook.vllm_hook", "sglang": "kvtrace.hook.sglang_hook"}
+
+
+def render(hook_dir: str, result_path: str, action: str, owner: int = 0, checked: dict | None = None,
+           engine: str = "vllm") -> str:
     """owner: the agent's pid; a hook this injection installs removes itself when it exits
     (a hook that was already there, e.g. the plugin's, stays).  checked: the agent's verdict
-    on the target's vLLM source (kvtrace.hook.support.check), or None."""
+    on the target's source (kvtrace.hook.support.check), or None.  engine: whose hook module
+    ("vllm", "sglang")."""
     return (TEMPLATE.replace("@HOOK_DIR@", json.dumps(hook_dir)).replace("@RESULT@", json.dumps(result_path))
+            .replace("@MODULE@", json.dumps(MODULES[engine]))
             .replace("@ACTION@", json.dumps(action)).replace("@OWNER@", str(int(owner)))
             .replace("@CHECKED@", repr(_plain(checked))))
 

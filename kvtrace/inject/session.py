@@ -41,14 +41,17 @@ class InjectionSession:
 
     def install(self) -> list[Injected]:
         if not self.targets():
-            raise TargetError(f"vLLM server {self.server.pid} has no EngineCore or Worker process to inject into")
+            raise TargetError(f"{engine_label(self.server)} server {self.server.pid} has no "
+                              f"{'scheduler' if getattr(self.server, 'engine', 'vllm') == 'sglang' else 'EngineCore or Worker'}"
+                              " process to inject into")
         for pid, role in self.targets():
             self.results.append(self._one(pid, role, "install"))
         return self.results
 
     def _one(self, pid: int, role: str, action: str) -> Injected:
         try:
-            rep = injector.hook(pid, action, self.timeout, checked=self.checked if action == "install" else None)
+            rep = injector.hook(pid, action, self.timeout, checked=self.checked if action == "install" else None,
+                                engine=getattr(self.server, "engine", "vllm"))
         except KvtraceError as e:
             return Injected(pid, role, False, reason=str(e))
         if rep.get("error"):
@@ -69,7 +72,13 @@ class InjectionSession:
 
     def missing(self) -> list[str]:
         """One line per process where the vLLM signals are missing, and why."""
-        return [f"{r.role} {r.pid}: no vLLM hook ({r.reason})" for r in self.results if not r.installed]
+        return [f"{r.role} {r.pid}: no {engine_label(self.server)} hook ({r.reason})" for r in self.results
+                if not r.installed]
+
+
+def engine_label(server) -> str:
+    """"vLLM" or "SGLang", as messages name the server's engine."""
+    return "SGLang" if getattr(server, "engine", "vllm") == "sglang" else "vLLM"
 
 
 def inject_hook(server, inject: bool, usermark: bool, echo, flag=None, checked: dict | None = None) -> InjectionSession | None:
@@ -79,13 +88,14 @@ def inject_hook(server, inject: bool, usermark: bool, echo, flag=None, checked: 
     verdict on the server's vLLM files (kvtrace.hook.support.check), None when unread."""
     if server is None:
         return None
+    name = engine_label(server)
     if not inject or not usermark:
         why = "--no-inject" if not inject else "the usermark probe is not attached"
-        echo(f"kvtrace: vLLM signals missing ({SIGNALS}): {why}; kernel probes, KV events and /metrics still run")
+        echo(f"kvtrace: {name} signals missing ({SIGNALS}): {why}; kernel probes, KV events and /metrics still run")
         return None
     if checked is not None and not checked["supported"]:
-        echo(f"kvtrace: vLLM {checked['version'] or '?'} refused by the hook: {support.reason(checked)}")
-        echo(f"kvtrace: vLLM signals missing ({SIGNALS}); kernel probes, KV events and /metrics still run")
+        echo(f"kvtrace: {name} {checked['version'] or '?'} refused by the hook: {support.reason(checked)}")
+        echo(f"kvtrace: {name} signals missing ({SIGNALS}); kernel probes, KV events and /metrics still run")
         return None
     session = InjectionSession(server, checked=checked)
     if flag is not None:
@@ -94,11 +104,11 @@ def inject_hook(server, inject: bool, usermark: bool, echo, flag=None, checked: 
     try:
         results = session.install()
     except TargetError as e:
-        echo(f"kvtrace: vLLM signals missing: {e}")
+        echo(f"kvtrace: {name} signals missing: {e}")
         return None
     for r in results:
         if r.installed:
-            echo(f"kvtrace: vLLM hook {'already active' if r.reused else 'injected'} in {r.role} {r.pid}")
+            echo(f"kvtrace: {name} hook {'already active' if r.reused else 'injected'} in {r.role} {r.pid}")
     for line in session.missing():
-        echo(f"kvtrace: vLLM signals missing in {line}")
+        echo(f"kvtrace: {name} signals missing in {line}")
     return session

@@ -17,12 +17,13 @@ from pathlib import Path
 import kvtrace
 
 # Every module the hook imports (vllm_hook.py imports state, engine, worker, targets, patch and
-# install; targets the plan's needs, plan, source, support and releases).  vllm_hook.py last: _compile stops at the first failure, so _compiled() takes its
+# install; targets the plan's needs, plan, source, support and releases; sglang_hook.py its
+# sglang_needs and sglang_engine).  vllm_hook.py last: _compile stops at the first failure, so _compiled() takes its
 # bytecode to mean every file's.
 HOOK_FILES = ["__init__.py", "hook/__init__.py", "hook/exact.py", "hook/wire.py", "hook/transport.py", "hook/api.py",
               "hook/state.py", "hook/engine.py", "hook/worker.py", "hook/patch.py", "hook/source.py", "hook/plan.py",
               "hook/needs.py", "hook/releases.py", "hook/support.py", "hook/targets.py", "hook/install.py",
-              "hook/vllm_hook.py"]
+              "hook/sglang_needs.py", "hook/sglang_engine.py", "hook/sglang_hook.py", "hook/vllm_hook.py"]
 
 
 def package_dir() -> Path:

@@ -43,6 +43,7 @@ class KvEventsInfo:
     topic: str = ""
     dp_size: int = 1
     raw: dict = field(default_factory=dict)
+    bind: bool | None = None  # SGLang's "bind": the publisher binds (True) or connects (False) its endpoint
 
 
 @dataclass
@@ -65,6 +66,7 @@ class VllmServerInfo:
     cmdline: list[str]
     netns: str | None = None  # /proc/PID/ns/net when the server is in another network namespace
     netns_id: str | None = None  # net:[inode] of the server's network namespace
+    engine: str = "vllm"  # "sglang": an SGLang server (kvtrace.sglang.discover); vllm_version is then SGLang's
 
     @property
     def pids(self) -> list[int]:
@@ -333,6 +335,25 @@ def describe(proc: psutil.Process) -> VllmServerInfo | None:
                 excluded.add(int(hit.group(1)))
     host, port = _port(proc, cmdline, excluded)
 
+    py = environment(proc, cmdline, env)
+    plugin = py["plugin"]
+    allowed = env.get("VLLM_PLUGINS")
+    if plugin == "installed" and allowed is not None and PLUGIN_NAME not in [a.strip() for a in allowed.split(",")]:
+        plugin = "disabled"
+    return VllmServerInfo(
+        pid=proc.pid, api_pids=api, engine_pids=engines, worker_pids=workers, other_pids=others,
+        host=host, port=port, model=_model(cmdline, kind), python_exe=py["exe"], python_version=py["python"],
+        vllm_version=py["version"], site_packages=py["site"], plugin=plugin, kv_events=kv,
+        in_container=py["container"], cmdline=cmdline, netns=netns.foreign(proc.pid), netns_id=netns.ident(proc.pid),
+    )
+
+
+def environment(proc: psutil.Process, cmdline: list[str], env: dict, package: str = "vllm",
+                group: str = PLUGIN_GROUP) -> dict:
+    """The server's Python environment, read through /proc/PID/root: its interpreter ("exe",
+    "python": X.Y.Z), the site-packages holding ``package`` ("site") and its "version", whether
+    kvtrace's plugin is installed for entry-point ``group`` ("plugin": "installed", "absent",
+    "unknown"), and whether it runs in a container ("container")."""
     fs = _Fs(proc.pid)
     try:
         exe = os.readlink(f"/proc/{proc.pid}/exe").removesuffix(" (deleted)")
@@ -354,38 +375,32 @@ def describe(proc: psutil.Process) -> VllmServerInfo | None:
             if hit:
                 xy = hit.group(1)
                 break
-    sites, venv = _site_candidates(fs, proc.pid, arg0, exe, xy, env)
-    site = next((s for s in sites if fs.exists(f"{s}/vllm/__init__.py")), None)
+    sites, venv = _site_candidates(fs, proc.pid, arg0, exe, xy, env, package)
+    site = next((s for s in sites if fs.exists(f"{s}/{package}/__init__.py")), None)
     if xy is None and site:
         hit = re.search(r"python(3\.\d+)", site)
         xy = hit.group(1) if hit else None
     pyver = _python_version(fs, proc.pid, exe, venv, site)
-    vver = _vllm_version(fs, site) if site else None
+    vver = _vllm_version(fs, site, package) if site else None
     if site is None and not fs.usable:
         plugin = "unknown"
     else:
         env_sites = [s for s in sites if fs.exists(s)]
-        plugin = "installed" if plugin_installed(fs, env_sites) else "absent"
-        allowed = env.get("VLLM_PLUGINS")
-        if plugin == "installed" and allowed is not None and PLUGIN_NAME not in [a.strip() for a in allowed.split(",")]:
-            plugin = "disabled"
-    return VllmServerInfo(
-        pid=proc.pid, api_pids=api, engine_pids=engines, worker_pids=workers, other_pids=others,
-        host=host, port=port, model=_model(cmdline, kind), python_exe=exe, python_version=pyver,
-        vllm_version=vver, site_packages=site, plugin=plugin, kv_events=kv, in_container=fs.container,
-        cmdline=cmdline, netns=netns.foreign(proc.pid), netns_id=netns.ident(proc.pid),
-    )
+        plugin = "installed" if plugin_installed(fs, env_sites, group) else "absent"
+    return {"exe": exe, "python": pyver, "site": site, "version": vver, "plugin": plugin, "container": fs.container}
 
 
 def discover() -> list[VllmServerInfo]:
-    """Every vLLM server on this host (in any container whose /proc is visible), by API-server pid."""
+    """Every vLLM and SGLang server on this host (in any container whose /proc is visible), by API-server pid."""
+    from kvtrace.vllm.sglang_discover import describe as describe_sglang  # lazy: that module builds on this one
+
     phases.mark("discover_start")
     found = []
     me = os.getpid()
     for proc in psutil.process_iter():
         if proc.pid == me:
             continue
-        info = describe(proc)
+        info = describe(proc) or describe_sglang(proc)
         if info is not None:
             found.append(info)
     # A spawned API-server child (VLLM::APIServer_<i>) keeps no vllm argv, so no duplicates

@@ -1,4 +1,4 @@
-"""Whether the hook supports a vLLM server that discovery found, read from outside: its vLLM
+"""Whether the hook supports a vLLM (or SGLang) server that discovery found, read from outside: its vLLM
 source files, through /proc/PID/root (a container's own filesystem), checked target by target
 (kvtrace.hook.support).  Nothing is imported or injected; about 0.3 s a server."""
 from __future__ import annotations
@@ -15,12 +15,14 @@ def verdict(info) -> dict | None:
     if not info.site_packages:
         return None
     root = str(_Fs(info.pid).p(info.site_packages))
-    if root not in _CACHE or not SourceTree(root).unchanged(_CACHE[root]["files"]):
-        v = support.check(root)
+    engine = getattr(info, "engine", "vllm")
+    key = f"{engine}:{root}"
+    if key not in _CACHE or not SourceTree(root).unchanged(_CACHE[key]["files"]):
+        v = support.check(root, engine)
         if v["version"] is None and not v["files"]:
             return None
-        _CACHE[root] = v
-    return _CACHE[root]
+        _CACHE[key] = v
+    return _CACHE[key]
 
 
 def label(v: dict | None) -> str:
@@ -29,13 +31,14 @@ def label(v: dict | None) -> str:
 
 
 def describe(info, v: dict | None) -> str:
-    """One line: the server's vLLM and what the hook does with it."""
+    """One line: the server's vLLM (or SGLang) and what the hook does with it."""
     version = (v or {}).get("version") or info.vllm_version or "?"
+    name = "SGLang" if getattr(info, "engine", "vllm") == "sglang" else "vLLM"
     if v is None:
-        return f"vLLM {version}: hook support unknown (its vLLM files cannot be read here)"
+        return f"{name} {version}: hook support unknown (its {name} files cannot be read here)"
     if v["supported"]:
-        return f"vLLM {version}: hook supported (every target checked)"
-    return f"vLLM {version}: hook refused: {support.reason(v)}"
+        return f"{name} {version}: hook supported (every target checked)"
+    return f"{name} {version}: hook refused: {support.reason(v)}"
 
 
 def to_json(v: dict | None) -> dict | None:

@@ -14,12 +14,14 @@ def vllm_binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
-def subscriber_endpoint(endpoint: str, host: str = "127.0.0.1", root: str | None = None) -> tuple[str, bool]:
+def subscriber_endpoint(endpoint: str, host: str = "127.0.0.1", root: str | None = None,
+                        publisher_binds: bool | None = None) -> tuple[str, bool]:
     """(address kvtrace uses, whether kvtrace must bind) for a publisher endpoint as vLLM was given it.
 
     vLLM binds ``tcp://*:P`` and ``ipc://`` endpoints (kvtrace connects, to ``host`` for ``*``);
     for ``tcp://host:P`` vLLM connects out, so kvtrace binds that address to receive.
     ``root`` (``/proc/PID/root``) reaches an ipc socket inside a container.
+    ``publisher_binds``: SGLang's explicit ``bind`` setting, which overrides that rule.
     """
     if endpoint.startswith("inproc://"):
         raise ValueError(f"{endpoint} is in-process only: it cannot be subscribed to from outside vLLM")
@@ -28,8 +30,8 @@ def subscriber_endpoint(endpoint: str, host: str = "127.0.0.1", root: str | None
     if endpoint.startswith("ipc://"):
         path = endpoint[len("ipc://"):]
         return ("ipc://" + (root.rstrip("/") + path if root and path.startswith("/") else path)), False
-    if vllm_binds(endpoint):
-        return endpoint.replace("*", host), False
+    if vllm_binds(endpoint) if publisher_binds is None else publisher_binds:
+        return endpoint.replace("*", host).replace("//0.0.0.0:", f"//{host}:"), False
     return endpoint, True
 
 

@@ -229,10 +229,13 @@ class MetricsScraper:
 
     def __init__(self, url: str, interval: float = 10.0, timeout: float = 5.0, prefixes=DEFAULT_PREFIXES,
                  drop_suffixes=DEFAULT_DROP_SUFFIXES, queue_scrapes: int = 3600, max_bytes: int = 32 << 20,
-                 netns: str | None = None):
+                 netns: str | None = None, table: str = TABLE):
+        """``table``: the dataset table ("sglang_metrics" for SGLang's ``sglang:*`` series, with
+        ``prefixes=("sglang:",)``; the same columns)."""
         if interval <= 0:
             raise ValueError("interval must be positive")
         self.url = url
+        self.name = table
         self.netns = netns  # /proc/PID/ns/net: scrape from inside the server's network namespace
         self.interval = interval
         self.timeout = timeout
@@ -331,7 +334,7 @@ class MetricsScraper:
                 break
             for c in cols:
                 cols[c].extend(chunk[c])
-        return {TABLE: to_table(cols)} if cols["ts_ns"] else {}
+        return {self.name: to_table(cols)} if cols["ts_ns"] else {}
 
     def stats(self) -> dict:
         with self._lock:

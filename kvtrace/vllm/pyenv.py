@@ -73,17 +73,18 @@ def _resolve_arg0(fs: _Fs, arg0: str, cwd: str | None, env: dict) -> str | None:
     return None
 
 
-def _site_candidates(fs: _Fs, pid: int, arg0: str | None, exe: str | None, xy: str | None, env: dict) -> tuple[list[str], str | None]:
-    """(site-packages directories to look in, venv root or None)."""
+def _site_candidates(fs: _Fs, pid: int, arg0: str | None, exe: str | None, xy: str | None, env: dict,
+                     package: str = "vllm") -> tuple[list[str], str | None]:
+    """(site-packages directories to look in, venv root or None), for the engine's ``package``."""
     cands: list[str] = []
     # PYTHONPATH comes before site-packages in the import path: a vLLM there is the one imported
     # (its mapped libraries may be links into a site-packages)
     for pp in (env.get("PYTHONPATH") or "").split(":"):
-        if pp.startswith("/") and fs.exists(f"{pp}/vllm/__init__.py"):
+        if pp.startswith("/") and fs.exists(f"{pp}/{package}/__init__.py"):
             cands.append(pp)
     maps = _mapped_paths(pid)
     for m in maps:
-        hit = re.search(r"^(.*/(?:site|dist)-packages)/vllm/", m)
+        hit = re.search(rf"^(.*/(?:site|dist)-packages)/{package}/", m)
         if hit:
             cands.append(hit.group(1))
     for m in maps:
@@ -149,13 +150,14 @@ def _dist_infos(fs: _Fs, site: str) -> list[str]:
     return [d for d in fs.listdir(site) if d.endswith((".dist-info", ".egg-info"))]
 
 
-def _vllm_version(fs: _Fs, site: str) -> str | None:
+def _vllm_version(fs: _Fs, site: str, package: str = "vllm") -> str | None:
+    """The version of the engine's ``package`` ("vllm", "sglang") installed in ``site``."""
     for d in _dist_infos(fs, site):
-        if not re.match(r"^vllm([_-][a-z0-9]+)?-\d", d):
+        if not re.match(rf"^{package}([_-][a-z0-9]+)?-\d", d):
             continue
         top = fs.read(f"{site}/{d}/top_level.txt")
         record = None if top else fs.read(f"{site}/{d}/RECORD", limit=1 << 16)
-        if (top and "vllm" in top.split()) or (record and "vllm/__init__.py" in record) or (not top and not record):
+        if (top and package in top.split()) or (record and f"{package}/__init__.py" in record) or (not top and not record):
             meta = fs.read(f"{site}/{d}/METADATA", limit=1 << 16) or fs.read(f"{site}/{d}/PKG-INFO", limit=1 << 16) or ""
             hit = re.search(r"^Version:\s*(\S+)", meta, re.M)
             if hit:
@@ -164,19 +166,20 @@ def _vllm_version(fs: _Fs, site: str) -> str | None:
             if hit:
                 return hit.group(1)
     for name in ("_version.py", "version.py"):
-        text = fs.read(f"{site}/vllm/{name}") or ""
+        text = fs.read(f"{site}/{package}/{name}") or ""
         hit = re.search(r"""(?:__version__|version)\s*(?::\s*str\s*)?=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", text)
         if hit:
             return hit.group(1)
     return None
 
 
-def plugin_installed(fs: _Fs, sites: list[str]) -> bool:
-    """True when some dist in these directories declares entry point ``kvtrace`` in vllm.general_plugins."""
+def plugin_installed(fs: _Fs, sites: list[str], group: str = PLUGIN_GROUP) -> bool:
+    """True when some dist in these directories declares entry point ``kvtrace`` in ``group``
+    (vllm.general_plugins; sglang.srt.plugins for SGLang)."""
     for site in sites:
         for d in _dist_infos(fs, site):
             text = fs.read(f"{site}/{d}/entry_points.txt", limit=1 << 16)
-            if not text or PLUGIN_GROUP not in text:
+            if not text or group not in text:
                 continue
             cp = configparser.ConfigParser(delimiters=("=",), interpolation=None, strict=False)
             cp.optionxform = str
@@ -184,6 +187,6 @@ def plugin_installed(fs: _Fs, sites: list[str]) -> bool:
                 cp.read_string(text)
             except configparser.Error:
                 continue
-            if cp.has_section(PLUGIN_GROUP) and any(k.strip() == PLUGIN_NAME for k in cp[PLUGIN_GROUP]):
+            if cp.has_section(group) and any(k.strip() == PLUGIN_NAME for k in cp[group]):
                 return True
     return False

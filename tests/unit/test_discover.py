@@ -159,19 +159,19 @@ def test_attach_chooses_a_server(monkeypatch):
 
     servers = []
     monkeypatch.setattr(d, "discover", lambda: list(servers))
-    with pytest.raises(UsageError, match="no vLLM server found.*--pid"):
+    with pytest.raises(UsageError, match="no vLLM or SGLang server found.*--pid"):
         select.choose_server(None, True)
     servers.append(_info(100, 8300))
-    with pytest.raises(UsageError, match="found 1 vLLM server: pass --yes"):
+    with pytest.raises(UsageError, match="found 1 server: pass --yes"):
         select.choose_server(None, False)
     assert select.choose_server(None, True).pid == 100
     assert select.choose_server(8300, False).pid == 100
     servers.append(_info(200, 8301))
-    with pytest.raises(UsageError, match=r"found 2 vLLM servers: pick one with --port PORT or --pid PID") as e:
+    with pytest.raises(UsageError, match=r"found 2 servers: pick one with --port PORT or --pid PID") as e:
         select.choose_server(None, True)
     assert e.value.exit_code == 2
     assert select.choose_server(8301, False).pids == [200, 201, 202]
-    with pytest.raises(TargetError, match="no vLLM server listens on port 8399"):
+    with pytest.raises(TargetError, match="no vLLM or SGLang server listens on port 8399"):
         select.choose_server(8399, True)
 
 

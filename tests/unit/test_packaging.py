@@ -38,7 +38,7 @@ DIST = {
 # Code that runs inside vLLM's interpreter (kvtrace installed there with --no-deps): the standard
 # library, kvtrace.hook and what vLLM itself brings.  Their parents' __init__ run there too.
 IN_VLLM = ["kvtrace/__init__.py", "kvtrace/hook/", "kvtrace/vllm/__init__.py", "kvtrace/hook/fileconnector.py"]
-VLLM_SIDE = {"vllm", "torch"}
+VLLM_SIDE = {"vllm", "torch", "sglang"}
 ROOT_FILES = ("pyproject.toml", "setup.py", "README.md", "LICENSE")
 
 
@@ -156,6 +156,7 @@ def test_wheel_entry_points(built_dist):
     ep.read_string(wheel_text(built_dist[0], "entry_points.txt"))
     assert dict(ep["console_scripts"]) == {"kvtrace": "kvtrace.__main__:main"}
     assert dict(ep["vllm.general_plugins"]) == {"kvtrace": "kvtrace.hook.plugin:register"}
+    assert dict(ep["sglang.srt.plugins"]) == {"kvtrace": "kvtrace.hook.sglang_plugin:register"}
 
 
 def test_requires_dist_matches_imports(built_dist):

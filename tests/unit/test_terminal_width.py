@@ -377,7 +377,7 @@ def test_servers_at_80_columns():
     assert_fits(text, 80)
     (t,) = parse_tables(text)
     assert_nothing_truncated([t])
-    assert t["headers"] == ["API pid", "port", "vLLM", "hook", "KV events", "model"]
+    assert t["headers"] == ["API pid", "port", "engine", "hook", "KV events", "model"]
     assert left_out(t["note"]) == ["EngineCore", "Workers", "Python", "plugin"]
     assert column(t, "port") == ["8000", "18001", "8002"]
     assert column(t, "hook") == ["yes", "no", "?"]
@@ -390,6 +390,6 @@ def test_servers_at_200_columns():
     text = servers_at(200)
     assert_fits(text, 200)
     (t,) = parse_tables(text)
-    assert t["headers"] == ["API pid", "port", "EngineCore", "Workers", "Python", "vLLM", "hook", "plugin", "KV events",
+    assert t["headers"] == ["API pid", "port", "EngineCore", "Workers", "Python", "engine", "hook", "plugin", "KV events",
                             "model"]
     assert not t["note"] and column(t, "Workers")[0] == "1234569 1234570 1234571 1234572"
