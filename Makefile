@@ -11,7 +11,7 @@ VLLM ?= $(COMPAT_RELEASES)
 CI_RELEASE := 0.28.0
 NEWEST := 0.33.0
 
-.PHONY: setup setup-vllm setup-ci-releases demo test unit compat lab bench bench-short clean
+.PHONY: setup setup-vllm setup-sglang setup-ci-releases demo test unit compat lab bench bench-short engines clean
 
 setup:
 	bash scripts/setup-host
@@ -22,7 +22,11 @@ setup-vllm: setup
 demo: setup-vllm
 	$(VENV)/bin/kvtrace demo
 
-setup-ci-releases: setup-vllm
+# SGLang 0.5.23 on the CPU (tests/sglang): its own venv in /var/cache/kvtrace (about 5 minutes once)
+setup-sglang: setup
+	bash scripts/setup-sglang
+
+setup-ci-releases: setup-vllm setup-sglang
 	bash scripts/setup-vllm $(CI_RELEASE)
 	bash scripts/setup-vllm-source $(NEWEST)
 
@@ -49,6 +53,11 @@ lab: setup
 
 bench: setup-vllm
 	$(PY) bench/run.py
+
+# One shared-prefix workload on vLLM and on SGLang, each at two chunk sizes, attached and
+# compared (docs/analysis.md, "vLLM against SGLang"; about 8 minutes)
+engines: setup-vllm setup-sglang
+	$(PY) bench/engines.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -44,6 +44,8 @@ FIGURES: list[tuple[str, object, str, str]] = [
     ("hit_rate_storage", ("reuse", "external_rate"), "share", "... from the KV connector (storage)"),
     *[(c, ("misses", "shares", c), "share", f"prompt tokens missed: {c.removeprefix('miss_').replace('_', ' ')}")
       for c in CAUSES],
+    ("chunk_ends_mid_block", ("chunking", "partial_blocks", "mid_block_ends"), "n",
+     "non-final chunks that ended inside a block (never on a token-granular cache)"),
     ("recomputed_tokens_per_request", lambda r: _per_request(r, "missed_tokens"), "tok",
      "prompt tokens computed per request (missed at first admission)"),
     ("readmit_recomputed_tokens", ("misses", "readmissions", "recomputed"), "tok",
@@ -119,7 +121,9 @@ def compare(base: dict, new: dict, gates: list[Gate] = ()) -> dict:
 
 def _run(rep: dict) -> dict:
     s = rep["service"]
-    return {"dataset": rep.get("dataset"), "requests": s["requests"], "prompt_tokens": s["prompt_tokens"],
+    engines = (rep.get("server") or {}).get("engines") or []
+    return {"dataset": rep.get("dataset"), "engine": ", ".join(f"{e['name']} {e['version']}" for e in engines) or "vllm",
+            "requests": s["requests"], "prompt_tokens": s["prompt_tokens"],
             "output_tokens": s["output_tokens"], "window_s": (s["window_ns"] or 0) / 1e9,
             "bottleneck": rep["verdict"]["bottleneck"]}
 

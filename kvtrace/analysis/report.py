@@ -147,6 +147,8 @@ def build(rows: dict[str, list[dict]], inp: load.Inputs) -> dict:
     pt = reuse["prompt_tokens"]
     rep["chunking"] = _chunking(rows, one, pt)
     rep["misses"] = _misses(rows, one)
+    if rep["server"]["counts"] == RADIX_NOTE:
+        _radix_inflight(rep, pt)
     rep["timing"] = _timing(rows, one)
     rep["reload_vs_recompute"] = _reload_vs_recompute(rows, one)
     rep["prefetch"] = _prefetch(rows, one, gaps)
@@ -192,6 +194,17 @@ def _server(rows: dict[str, list[dict]]) -> dict:
     counts = RADIX_NOTE if names == {"sglang"} else (
         "vLLM's prefix cache holds fixed blocks: hits count whole blocks, a prompt's partial last block never hits")
     return {"engines": engines, "counts": counts}
+
+
+def _radix_inflight(rep: dict, pt: int) -> None:
+    """On SGLang the in-flight misses are the replay's (token_causes): a chunk is in the radix
+    tree only from the next step on, which the block-allocation rule of the SQL figure (vLLM's:
+    a block is matchable once allocated) does not see."""
+    per = rep["misses"]["per_request"]
+    n = rep["misses"]["first"].get("miss_inflight", 0) or 0
+    rep["chunking"]["inflight"].update(
+        requests=sum(1 for r in per if r.get("miss_inflight")), missed_tokens=n, missed_rate=_ratio(n, pt),
+        rows=[], basis="token_causes (SGLang inserts a chunk into its radix tree at the next step)")
 
 
 def _reuse(rows: dict[str, list[dict]], one: dict[str, dict]) -> dict:

@@ -24,6 +24,9 @@ record has it, else the request's ``max_output``), and when it finished (the ste
 * Arrivals: a request sent within 100 ms of another's finish is replayed as sent that long after
   that request finishes in the replay (a closed-loop client); others keep their recorded time.
 
+An SGLang dataset (its hook's engine records) is replayed through a model of SGLang's radix
+cache and scheduler instead: kvtrace.analysis.whatif_radix.
+
 Block sizes must be multiples of the recorded one: prompts are only known as hashes of
 recorded-size blocks, and a block of k recorded blocks is named by the hash of its last one.
 
@@ -38,6 +41,7 @@ import numbers
 import time
 
 from kvtrace.analysis.whatif_cache import BlockPool, FreeQueue, Tier, _ints, parse_tier  # noqa: F401 (re-exported)
+from kvtrace.analysis.whatif_radix import RadixReplay
 from kvtrace.analysis.whatif_replay import Replay, _not_none  # noqa: F401 (re-exported)
 from kvtrace.analysis.whatif_workload import (CLOSED_LOOP_NS, Req, Workload, _col, fit_steps,  # noqa: F401 (re-exported)
                                               recorded_figures, workload)
@@ -107,7 +111,8 @@ def run(directory, chunk_sizes=None, block_sizes=None, cache_blocks=None, tiers=
     rows = []
     for C, B, N, T in itertools.product(chunk_sizes, block_sizes, cache_blocks, tiers):
         t0 = time.perf_counter()
-        s = Replay(wl, C, B, N, T, max_num_seqs).run()  # one pool at a time: freed before the next is made
+        kind = RadixReplay if wl.engine == "sglang" else Replay
+        s = kind(wl, C, B, N, T, max_num_seqs).run()  # one pool at a time: freed before the next is made
         dt = time.perf_counter() - t0
         rows.append({"chunk_size": C, "block_size": B, "cache_blocks": N, "storage_tier": T, **s,
                      "replay_s": round(dt, 4), "lookups_per_s": round(s["lookups"] / dt) if dt else None})
@@ -131,6 +136,9 @@ def print_table(res: dict, wide: bool = False) -> None:
 
     c = Console(width=WIDE) if wide else Console()
     rec = res["recorded"]
+    if rec.get("engine") == "sglang":
+        c.print("SGLang: its radix cache replayed (kvtrace.analysis.whatif_radix): block = page "
+                f"({rec['block_size']} token), cache blocks = --max-total-tokens / page size")
     c.print(f"recorded: {res['requests']} requests, chunk budget ≥ {rec['chunk_size']}, block size {rec['block_size']}, "
             f"{rec['cache_blocks']} cache blocks ({rec['cache_blocks_from']}); hit rate "
             f"{_pct(rec['hit_rate'])}, {rec['evictions']:,} evictions, {rec['preemptions']} preemptions, "

@@ -52,6 +52,7 @@ class Workload:
     model: tuple
     notes: list
     storage: StorageModel = field(default_factory=StorageModel)
+    engine: str = "vllm"            # "sglang": replayed through its radix cache (kvtrace.analysis.whatif_radix)
 
     def distinct(self) -> dict:
         """id(chain) -> whether the chain has no hash twice (computed once for every replay)."""
@@ -158,8 +159,15 @@ def workload(directory) -> Workload:
     quiet = quiet_steps(steps, inp)
     model = fit_steps(steps.filter(pa.array(quiet)) if steps.num_rows and quiet.sum() >= 3 else steps)
     recorded["ttft"] = recorded_ttft(inp, steps)
+    engine = recorded["engine"]
     return Workload(reqs, b0, recorded, model, notes + [f"{closed} of {len(reqs)} requests replayed closed-loop"]
-                    + ([f"storage: {storage.note}"] if storage.note else []), storage)
+                    + ([f"storage: {storage.note}"] if storage.note else []), storage, engine)
+
+
+def _engine(inp: load.Inputs) -> str:
+    """The serving engine the hook recorded ("vllm" when no engine record: hooks before 5)."""
+    names = set(_col(load.read_table(inp, "engine"), "name")) if inp.has("engine") else set()
+    return "sglang" if names == {"sglang"} else "vllm"
 
 
 def recorded_ttft(inp: load.Inputs, steps: pa.Table) -> dict:
@@ -182,7 +190,13 @@ def recorded_ttft(inp: load.Inputs, steps: pa.Table) -> dict:
 
 
 def _recorded_cache_blocks(inp: load.Inputs) -> int | None:
-    """num_gpu_blocks from vLLM's cache_config_info metric, when it was scraped."""
+    """num_gpu_blocks from vLLM's cache_config_info metric, or SGLang's max_total_num_tokens,
+    when it was scraped."""
+    if inp.has("sglang_metrics"):
+        m = load.read_table(inp, "sglang_metrics")
+        vals = [v for n, v in zip(_col(m, "name"), _col(m, "value")) if n == "sglang:max_total_num_tokens"]
+        if vals:
+            return int(max(vals))
     if not inp.has("vllm_metrics"):
         return None
     cache_blocks = None
@@ -210,9 +224,12 @@ def recorded_figures(inp: load.Inputs, steps: pa.Table, b0: int) -> dict:
     tokens = _col(steps, "total_tokens", 0)
     free = _col(steps, "free_blocks", 0)
     cache_blocks = _recorded_cache_blocks(inp)
-    return {"chunk_size": max(tokens) if tokens else None, "block_size": b0,
-            "cache_blocks": cache_blocks or ((max(free) + 1) if free else None),
-            "cache_blocks_from": "vllm:cache_config_info" if cache_blocks else "most free blocks seen + the null block",
+    engine = _engine(inp)
+    sglang = engine == "sglang"
+    return {"engine": engine, "chunk_size": max(tokens) if tokens else None, "block_size": b0,
+            "cache_blocks": cache_blocks or ((max(free) + (0 if sglang else 1)) if free else None),
+            "cache_blocks_from": ("sglang:max_total_num_tokens" if sglang else "vllm:cache_config_info") if cache_blocks
+            else "most free slots seen" if sglang else "most free blocks seen + the null block",
             "hit_rate": (local + ext) / prompt if prompt else None, "hit_local": local, "hit_external": ext,
             "prompt_tokens": prompt, "evictions": ev, "preemptions": pre}
 

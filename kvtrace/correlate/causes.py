@@ -66,6 +66,7 @@ class Segment:
 class _Engine:
     block_size: int = 0
     fresh: bool | None = None
+    radix: bool = False     # SGLang's radix cache: a step's chunks are matchable only after it
     present: set = field(default_factory=set)
     plain_of: dict = field(default_factory=dict)       # cached hash -> its hash without extra keys
     present_plain: Counter = field(default_factory=Counter)
@@ -90,7 +91,9 @@ class CacheReplay:
 
     # -- per-request structure: prompt chains, lookups, the snapshot at attach -----------------
 
-    def structure(self, prompt_blocks=(), resume_blocks=(), prompt_plain=(), lookup=(), cached=()) -> None:
+    def structure(self, prompt_blocks=(), resume_blocks=(), prompt_plain=(), lookup=(), cached=(), engine=()) -> None:
+        for r in engine:   # SGLang: a chunk is in the radix tree from the next step on
+            self.engines[r["pid"]].radix = r["name"] == "sglang"
         for r in prompt_blocks:
             e = self.engines[r["pid"]]
             e.block_size = e.block_size or int(r["block_size"])
@@ -142,13 +145,19 @@ class CacheReplay:
         for req in [r for r in evicts if r not in scheduled]:   # decoding requests allocate first
             _evict(e, evicts.pop(req))
         admits = {(a["request"], int(a["attempt"])): a for a in ev["admit"]}
+        done = []
         for c in ev["chunk"]:
             r, attempt = c["request"], int(c["attempt"])
             a = admits.pop((r, attempt), None)
             if a is not None:
                 self._admit(pid, e, a, t_step)
             _evict(e, evicts.pop(r, ()))
-            _progress(e, r, int(c["start"]) + int(c["length"]))
+            if e.radix:   # vLLM caches a block at allocation; SGLang inserts a chunk at the next step
+                done.append((r, int(c["start"]) + int(c["length"])))
+            else:
+                _progress(e, r, int(c["start"]) + int(c["length"]))
+        for r, upto in done:
+            _progress(e, r, upto)
         for a in admits.values():   # an admission without a chunk row (should not happen)
             self._admit(pid, e, a, t_step)
         for rows in evicts.values():

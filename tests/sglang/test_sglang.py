@@ -323,4 +323,54 @@ def test_servers_lists_the_sglang_server(live):
     assert s["plugin"] == "disabled"   # SGLANG_PLUGINS=none keeps it out of this server
     table = subprocess.run([sys.executable, "-m", "kvtrace", "servers"], capture_output=True, text=True, cwd=REPO,
                            timeout=120, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
-    assert "SGLang 0.5.23" in table.stderr and "sglang::" not in table.stderr
+    assert "SGLang 0.5.23" in table.stdout and "sglang::" not in table.stdout, table.stdout
+
+
+def test_whatif_radix_replay_predicts_another_cache_size(live, tmp_path):
+    """`kvtrace whatif` replays the recorded run through its model of SGLang's radix cache at
+    6,000 tokens; a real server at --max-total-tokens 6000 given the same workload hits within
+    2 points of the prediction (and the replay at the recorded 3,000 within 2 of the recording)."""
+    out = subprocess.run([sys.executable, "-m", "kvtrace", "whatif", str(live["dir"]), "--cache-blocks", "3000,6000",
+                          "--json"], capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout)
+    assert res["recorded"]["engine"] == "sglang" and res["recorded"]["cache_blocks"] == CAP
+    pred = {r["cache_blocks"]: 100 * r["hit_rate"] for r in res["predictions"]}
+    meta = live["meta"]
+    recorded = 100 * sum(m["cached_tokens"] for m in meta.values()) / sum(m["prompt_tokens"] for m in meta.values())
+    assert abs(pred[3000] - recorded) <= 2, (pred, recorded)
+    srv, sink = start_server(tmp_path, cap=6000)
+    try:
+        real = drive(srv)
+    finally:
+        srv.stop()
+        sink.close()
+    actual = 100 * sum(m["cached_tokens"] for m in real.values()) / sum(m["prompt_tokens"] for m in real.values())
+    assert actual - recorded > 4, "the other cache size should change the hit rate for this check to mean anything"
+    assert abs(pred[6000] - actual) <= 2, (pred[6000], actual)
+
+
+def test_spans_of_an_sglang_dataset(live):
+    """`kvtrace export` of the SGLang dataset: a trace per request with its chunks, GenAI usage
+    and miss causes, checked against SGLang's own answers."""
+    from tests.otlp_receiver import Receiver
+
+    rx = Receiver().start()
+    try:
+        out = subprocess.run([sys.executable, "-m", "kvtrace", "export", str(live["dir"]), "--otlp", rx.grpc_url],
+                             capture_output=True, text=True, cwd=REPO, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        spans = list(rx.got.spans)
+    finally:
+        rx.stop()
+    meta = live["meta"]
+    reqs = {s.attrs["gen_ai.request.id"]: s for s in spans if s.name == "kvtrace.request"}
+    assert set(reqs) == set(meta)
+    for rid, m in meta.items():
+        a = reqs[rid].attrs
+        assert a["gen_ai.usage.input_tokens"] == m["prompt_tokens"]
+        assert a["gen_ai.usage.cache_read.input_tokens"] == m["cached_tokens"]
+        assert sum(v for k, v in a.items() if k.startswith("kvtrace.miss.")) == m["prompt_tokens"] - m["cached_tokens"]
+    chunks = [s for s in spans if s.name == "kvtrace.prefill_chunk"]
+    assert len(chunks) == live["ds"].table("chunks").num_rows
+    assert {s.trace_id for s in chunks} <= {s.trace_id for s in reqs.values()}
