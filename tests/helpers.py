@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import socket
+import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -71,3 +72,31 @@ def dev_post(url: str, path: str) -> None:
 def reset_prefix_cache(url: str) -> None:
     """Empty vLLM's prefix cache (POST /reset_prefix_cache)."""
     dev_post(url, "/reset_prefix_cache")
+
+
+def engine_venv_skip_reason(py: str, engine: str, group: str, timeout: float = 120) -> str | None:
+    """Why the engine's venv at `py` cannot serve the tests (missing, kvtrace's entry point not in
+    `group`, or not running), or None."""
+    if not Path(py).exists():
+        return f"needs the {engine} venv ({py})"
+    probe = ("from importlib.metadata import entry_points; import sys;"
+             f"sys.exit(0 if any(e.name == 'kvtrace' for e in entry_points(group={group!r})) else 3)")
+    r = subprocess.run([py, "-c", probe], capture_output=True, timeout=timeout)
+    if r.returncode == 3:
+        return f"kvtrace is not installed in the {engine} venv: {Path(py).parent}/pip install --no-deps -e <repo>"
+    if r.returncode:
+        return f"the {engine} venv does not run: {r.stderr.decode(errors='replace')[-300:]}"
+    return None
+
+
+def link_tree(src: Path, dst: Path) -> None:
+    """dst: src's directories made again, its files as links to src's (no __pycache__), so a test
+    can replace one file with a changed copy."""
+    import os
+
+    for dirpath, dirnames, filenames in os.walk(src):
+        rel = Path(dirpath).relative_to(src)
+        (dst / rel).mkdir(parents=True, exist_ok=True)
+        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+        for f in filenames:
+            (dst / rel / f).symlink_to(Path(dirpath) / f)

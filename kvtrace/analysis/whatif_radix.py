@@ -162,10 +162,7 @@ class RadixReplay(Replay):
         now = t_start = pending[0][0] if pending else 0
         done = 0
         while done < len(reqs):
-            while pending and pending[0][0] <= now:
-                t_arr, i = heapq.heappop(pending)
-                reqs[i].arrived_ns = t_arr
-                waiting.append(reqs[i])
+            self._arrive(pending, reqs, waiting, now)
             if not waiting and not running and chunked is None:
                 if not pending:
                     break
@@ -179,14 +176,12 @@ class RadixReplay(Replay):
                 done += len(aborted)
             if not sched:
                 if waiting and not running and chunked is None:
-                    waiting.popleft().done_ns = now   # larger than the cache: SGLang refuses it
-                    done += 1
-                    self.stats["unservable"] = self.stats.get("unservable", 0) + 1
+                    done += self._drop_unservable(waiting, now)
                     continue
                 now = pending[0][0] if pending else now + 1_000_000
                 continue
             now = self._step(sched, now)
-            done += self._end(sched, running, reqs, triggered, pending, now)
+            done += self._finish(sched, running, reqs, triggered, pending, now)
         return self._summary(reqs, now - t_start)
 
     def _prefill(self, waiting: deque, running: list, chunked):
@@ -259,27 +254,12 @@ class RadixReplay(Replay):
                 sched.append((r, 1))
         return sched, []
 
-    def _end(self, sched: list, running: list, reqs: list, triggered: dict, pending: list, now: int) -> int:
-        """The step's tokens: computed chunks into the tree, first tokens, finishes (their output
-        inserted, their path unlocked).  How many finished."""
-        finished = []
-        for r, n in sched:
-            r.computed += n
-            if r.computed <= r.prompt_len or r.generated == 0:
-                self._insert(r, min(r.computed, r.num_tokens))
-            if r.computed >= r.num_tokens:
-                r.generated += 1
-                if r.generated == 1 and not r.first_token_ns:
-                    r.first_token_ns = now
-                if r.generated >= r.output:
-                    finished.append(r)
-                else:
-                    r.num_tokens += 1
-        for r in finished:
-            running.remove(r)
-            self._insert(r, r.computed)
-            self._release(r)
-            r.done_ns = now
-            for j in triggered.get(self._index(reqs, r), []):
-                heapq.heappush(pending, (now + reqs[j].gap, j))
-        return len(finished)
+    def _computed(self, r: Req) -> None:
+        """The chunk's tokens (or a decode's, until the first output) go into the tree."""
+        if r.computed <= r.prompt_len or r.generated == 0:
+            self._insert(r, min(r.computed, r.num_tokens))
+
+    def _free(self, r: Req) -> None:
+        """A finished request: its output into the tree, its path unlocked."""
+        self._insert(r, r.computed)
+        self._release(r)

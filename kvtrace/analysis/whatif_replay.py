@@ -120,10 +120,7 @@ class Replay(BlockPool):
         done = 0
         t_start = now
         while done < len(reqs):
-            while pending and pending[0][0] <= now:
-                t_arr, i = heapq.heappop(pending)
-                reqs[i].arrived_ns = t_arr   # a closed-loop request: when its trigger's replayed finish sent it
-                waiting.append(reqs[i])
+            self._arrive(pending, reqs, waiting, now)
             if not waiting and not running:
                 if not pending:
                     break  # a closed-loop request whose trigger never finished
@@ -135,16 +132,27 @@ class Replay(BlockPool):
             if not sched:
                 # nothing fits (a request larger than the cache): drop it, as vLLM would reject it
                 if waiting and not running:
-                    r = waiting.popleft()
-                    r.done_ns = now
-                    done += 1
-                    self.stats["unservable"] = self.stats.get("unservable", 0) + 1
+                    done += self._drop_unservable(waiting, now)
                     continue
                 now = pending[0][0] if pending else now + 1_000_000
                 continue
             now = self._step(sched, now)
             done += self._finish(sched, running, reqs, triggered, pending, now)
         return self._summary(reqs, now - t_start)
+
+    @staticmethod
+    def _arrive(pending: list, reqs: list, waiting: deque, now: int) -> None:
+        """Move the requests due by now from the heap into the waiting queue."""
+        while pending and pending[0][0] <= now:
+            t_arr, i = heapq.heappop(pending)
+            reqs[i].arrived_ns = t_arr   # a closed-loop request: when its trigger's replayed finish sent it
+            waiting.append(reqs[i])
+
+    def _drop_unservable(self, waiting: deque, now: int) -> int:
+        """The head request fits nowhere (larger than the cache): dropped, as the engine rejects it."""
+        waiting.popleft().done_ns = now
+        self.stats["unservable"] = self.stats.get("unservable", 0) + 1
+        return 1
 
     def _schedule_running(self, running: list, waiting: deque) -> tuple[list, int, bool]:
         """Running requests first, each its next chunk or token within the budget; an allocation
@@ -201,6 +209,7 @@ class Replay(BlockPool):
         finished = []
         for r, n in sched:
             r.computed += n
+            self._computed(r)
             if r.computed >= r.num_tokens:
                 r.generated += 1
                 if r.generated == 1 and not r.first_token_ns:
@@ -216,6 +225,9 @@ class Replay(BlockPool):
             for j in triggered.get(self._index(reqs, r), []):
                 heapq.heappush(pending, (now + reqs[j].gap, j))
         return len(finished)
+
+    def _computed(self, r: Req) -> None:
+        """r's computed tokens just advanced (a cache that holds partial blocks takes them here)."""
 
     def _summary(self, reqs: list, replayed_ns: int) -> dict:
         s = dict(self.stats)

@@ -1,8 +1,8 @@
-"""`kvtrace inject`: put the vLLM hook into a running server, take it out, or ask its state.
+"""`kvtrace inject`: put the hook into a running vLLM or SGLang server, take it out, or ask its state.
 
 `kvtrace attach` does this by itself for the length of a capture; this command is for
 checking or cleaning up by hand.  Only processes that belong to a vLLM server found by
-discovery are ever touched.
+discovery (a vLLM or SGLang server) are ever touched.
 """
 from __future__ import annotations
 
@@ -24,24 +24,25 @@ def find_server(pid: int):
 
 
 @click.command("inject")
-@click.option("--pid", type=int, required=True, help="A pid of the vLLM server (API server, EngineCore or Worker).")
+@click.option("--pid", type=int, required=True, help="A pid of the server (vLLM: API server, EngineCore or Worker; SGLang: server or scheduler).")
 @click.option("--remove", is_flag=True, help="Remove the hook instead of installing it.")
 @click.option("--status", "status_only", is_flag=True, help="Only report the hook's state in each process.")
 @click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds to wait for a safe point per process.")
 @click.option("--json", "as_json", is_flag=True)
 def command(pid: int, remove: bool, status_only: bool, timeout: float, as_json: bool) -> int:
-    """Install (default), remove or inspect the vLLM hook in a live server.  A server whose vLLM
-    differs from what the hook needs is refused in one line naming the first difference, before
-    any process is touched (exit 1)."""
+    """Install (default), remove or inspect the hook in a live vLLM or SGLang server.  A server
+    whose engine code differs from what the hook needs is refused in one line naming the first
+    difference, before any process is touched (exit 1)."""
     import os
 
     from kvtrace.inject import injector  # lazy: start-up cost: the CLI imports every command's module (cli._register)
+    from kvtrace.inject.session import engine_label  # lazy: start-up cost, as above
 
     if os.geteuid() != 0 and not privileges.has_cap(privileges.CAP_SYS_PTRACE):
         raise PrivilegeError("injection needs root or CAP_SYS_PTRACE: run with sudo (target untouched)")
     server = find_server(pid)
     if server is None:
-        raise TargetError(f"process {pid} is not part of a vLLM server found on this host: not injecting (target untouched)")
+        raise TargetError(f"process {pid} is not part of a vLLM or SGLang server found on this host: not injecting (target untouched)")
     action = "uninstall" if remove else "status" if status_only else "install"
     checked = None
     if action == "install":
@@ -50,11 +51,11 @@ def command(pid: int, remove: bool, status_only: bool, timeout: float, as_json: 
 
         checked = hooksupport.verdict(server)
         if checked is not None and not checked["supported"]:
-            click.echo(f"kvtrace: vLLM {checked['version'] or '?'} refused by the hook: {support.reason(checked)}", err=True)
+            click.echo(f"kvtrace: {engine_label(server)} {checked['version'] or '?'} refused by the hook: {support.reason(checked)}", err=True)
             return 1
     rows = []
     for p, role in [(p, "engine") for p in server.engine_pids] + [(p, "worker") for p in server.worker_pids]:
-        rep = injector.hook(p, action, timeout, checked=checked)
+        rep = injector.hook(p, action, timeout, checked=checked, engine=getattr(server, "engine", "vllm"))
         st = rep.get("status") or {}
         rows.append({"pid": p, "role": role, "installed": st.get("installed"), "reused": rep.get("reused"),
                      "reason": rep.get("error") or st.get("reason", ""), "roles": st.get("roles"),

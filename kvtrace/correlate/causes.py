@@ -40,10 +40,10 @@ CAUSES = ("hit_local", "hit_external", "miss_cold", "miss_unseen", "miss_evicted
 HITS = ("hit_local", "hit_external")
 MISSES = CAUSES[2:]
 _BREAK = "break"
-KEEP = 100_000   # admissions whose segments are kept for their later chunks (live: a bounded window)
+KEEP = 100_000   # requests whose segments are kept for their later chunks (live: a bound; finished ones go)
 
 
-@dataclass
+@dataclass(slots=True)
 class Segment:
     """Tokens [start, end) of one admission with one cause (an evicted block: its own segment)."""
 
@@ -77,7 +77,7 @@ class _Engine:
     running: dict = field(default_factory=dict)         # request -> [attempt, progress, pending hashes]
     chains: dict = field(default_factory=dict)          # request -> {index: hash}
     plains: dict = field(default_factory=dict)          # request -> {index: hash without extra keys}
-    lookups: dict = field(default_factory=dict)         # (request, attempt) -> (skipped, keyed)
+    lookups: dict = field(default_factory=dict)         # request -> {attempt: (skipped, keyed)}
 
 
 class CacheReplay:
@@ -87,7 +87,8 @@ class CacheReplay:
     def __init__(self):
         self.engines: dict[int, _Engine] = defaultdict(_Engine)
         self.segments: list[Segment] = []     # made by the latest feed()
-        self.kept: OrderedDict = OrderedDict()  # (pid, request, attempt) -> its segments, for its chunks
+        self.kept: OrderedDict = OrderedDict()  # (pid, request) -> {attempt: its segments}, for its chunks
+        self.finished: list = []    # (pid, request) finished in the latest feed(): dropped at the next
 
     # -- per-request structure: prompt chains, lookups, the snapshot at attach -----------------
 
@@ -103,7 +104,8 @@ class CacheReplay:
         for r in prompt_plain:
             _put(self.engines[r["pid"]].plains, r["request"], r["first"], r["hashes"])
         for r in lookup:
-            self.engines[r["pid"]].lookups[(r["request"], int(r["attempt"]))] = (bool(r["skipped"]), bool(r["keyed"]))
+            self.engines[r["pid"]].lookups.setdefault(r["request"], {})[int(r["attempt"])] = (bool(r["skipped"]),
+                                                                                             bool(r["keyed"]))
         for r in cached:
             e = self.engines[r["pid"]]
             if r["first"] == 0:
@@ -122,6 +124,9 @@ class CacheReplay:
     def feed(self, steps, admits, chunks, evicts, preempts, finishes) -> list[Segment]:
         """Replay these steps (rows as dicts, each with its pid and step); the segments made."""
         self.segments = []
+        for key in self.finished:   # their chunks were read (with_chunk_causes) after the feed that saw them finish
+            self.kept.pop(key, None)
+        self.finished = []
         by_step: dict = defaultdict(lambda: defaultdict(list))
         for kind, rows in (("admit", admits), ("chunk", chunks), ("evict", evicts), ("preempt", preempts),
                            ("finish", finishes)):
@@ -134,8 +139,6 @@ class CacheReplay:
 
     def _step(self, pid: int, t_step: int, ev: dict) -> None:
         e = self.engines[pid]
-        for f in ev["finish"]:
-            _leave(e, f["request"])
         for p in ev["preempt"]:
             _leave(e, p["request"])
         evicts = defaultdict(list)
@@ -162,6 +165,15 @@ class CacheReplay:
             self._admit(pid, e, a, t_step)
         for rows in evicts.values():
             _evict(e, rows)
+        for f in ev["finish"]:   # last: a one-token request finishes in the step of its last chunk
+            self._finish(pid, e, f["request"])
+
+    def _finish(self, pid: int, e: _Engine, r: str) -> None:
+        """A finished request: nothing of it is needed again but its segments, until its chunks are read."""
+        _leave(e, r)
+        for d in (e.chains, e.plains, e.lookups):
+            d.pop(r, None)
+        self.finished.append((pid, r))
 
     def _admit(self, pid: int, e: _Engine, a: dict, t_step: int) -> None:
         r, attempt = a["request"], int(a["attempt"])
@@ -169,7 +181,7 @@ class CacheReplay:
         hit_l, hit_x = int(a["cached_local"]), int(a["cached_external"])
         bs = e.block_size or 1
         chain = e.chains.get(r, {})
-        skipped, keyed = e.lookups.get((r, attempt), (False, False))
+        skipped, keyed = e.lookups.get(r, {}).get(attempt, (False, False))
         segs = [(0, hit_l, "hit_local", {}), (hit_l, hit_l + hit_x, "hit_external", {})]
         if skipped:
             segs.append((hit_l + hit_x, total, "miss_not_looked_up", {}))
@@ -217,13 +229,13 @@ class CacheReplay:
     def chunk_causes(self, pid: int, request: str, attempt: int, start: int, end: int) -> dict[str, int]:
         """Tokens [start, end) of an admission's chunk by miss cause (the misses it computed)."""
         out = dict.fromkeys(MISSES, 0)
-        for s in self.kept.get((pid, request, attempt), ()):
+        for s in self.kept.get((pid, request), {}).get(attempt, ()):
             if s.cause in out:
                 out[s.cause] += max(min(s.end, end) - max(s.start, start), 0)
         return out
 
     def _emit(self, pid: int, r: str, attempt: int, step: int, segs: list) -> None:
-        mine = self.kept.setdefault((pid, r, attempt), [])
+        mine = self.kept.setdefault((pid, r), {}).setdefault(attempt, [])
         if len(self.kept) > KEEP:
             self.kept.popitem(last=False)
         self._emit_into(mine, pid, r, attempt, step, segs, self.engines[pid].block_size == 1)

@@ -167,18 +167,7 @@ class VllmServer:
 
     def processes(self) -> dict[str, list[int]]:
         """{'api': [pid], 'engine': [...], 'workers': [...]} by process title."""
-        api = psutil.Process(self.proc.pid)
-        out = {"api": [api.pid], "engine": [], "workers": []}
-        for c in api.children(recursive=True):
-            try:
-                name = c.name()
-            except psutil.Error:
-                continue
-            if name.startswith("VLLM::EngineCor"):
-                out["engine"].append(c.pid)
-            elif name.startswith("VLLM::Worker"):
-                out["workers"].append(c.pid)
-        return out
+        return processes_by_title(self.proc.pid, {"VLLM::EngineCor": "engine", "VLLM::Worker": "workers"})
 
     def complete(self, prompt: list[int], max_tokens: int = 4, **extra) -> dict:
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
@@ -205,3 +194,20 @@ class VllmServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def processes_by_title(pid: int, titles: dict[str, str]) -> dict[str, list[int]]:
+    """{'api': [pid], key: [descendant pids]...}: each descendant filed under the key of the title
+    prefix its name starts with (the title the engine sets, cut to 15 characters)."""
+    api = psutil.Process(pid)
+    out = {"api": [api.pid], "engine": [], "workers": [], **{k: [] for k in titles.values()}}
+    for c in api.children(recursive=True):
+        try:
+            name = c.name()
+        except psutil.Error:
+            continue
+        for prefix, key in titles.items():
+            if name.startswith(prefix):
+                out[key].append(c.pid)
+                break
+    return out

@@ -14,9 +14,7 @@ import os
 import urllib.request
 from dataclasses import dataclass, field
 
-import psutil
-
-from kvtrace.demo.server import VllmServer
+from kvtrace.demo.server import VllmServer, processes_by_title
 
 DEFAULT_PYTHON = "/var/cache/kvtrace/sglang-venv/bin/python"
 CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule", "--enable-metrics"]
@@ -48,18 +46,7 @@ class SglangServer(VllmServer):
     def processes(self) -> dict[str, list[int]]:
         """{'api': [launcher pid], 'engine': [the schedulers], 'workers': []} by process title
         (SGLang's TP=1 scheduler runs the model itself)."""
-        api = psutil.Process(self.proc.pid)
-        out = {"api": [api.pid], "engine": [], "workers": [], "detokenizer": []}
-        for c in api.children(recursive=True):
-            try:
-                name = c.name()   # the title SGLang sets, cut to 15 characters
-            except psutil.Error:
-                continue
-            if name.startswith("sglang::schedul"):
-                out["engine"].append(c.pid)
-            elif name.startswith("sglang::detoken"):
-                out["detokenizer"].append(c.pid)
-        return out
+        return processes_by_title(self.proc.pid, {"sglang::schedul": "engine", "sglang::detoken": "detokenizer"})
 
     def generate(self, input_ids: list[int], max_new_tokens: int = 4, rid: str | None = None, **sampling) -> dict:
         """POST /generate with token ids (greedy); the decoded answer (meta_info.cached_tokens...)."""

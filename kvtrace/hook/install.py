@@ -13,7 +13,7 @@ import os
 import time
 
 from . import engine, releases, state
-from .patch import _patch
+from .patch import _patch, _unpatch_all
 from .state import HOOK_VERSION, _flush, _vllm_version, record_transfer
 from .source import SourceTree
 from .support import first
@@ -110,16 +110,7 @@ def _inert(reason: str) -> bool:
 def uninstall() -> None:
     """Restore every wrapped attribute (also those left by another copy of this module)."""
     S.rec = False
-    for (cls, attr), (had_own, original, wrapper) in list(_REGISTRY.items()):
-        try:
-            if cls.__dict__.get(attr) is wrapper:
-                if had_own:
-                    setattr(cls, attr, original)
-                else:
-                    delattr(cls, attr)
-        except Exception as e:
-            T.error(e)
-    _REGISTRY.clear()
+    _unpatch_all()
     _HOT_IN[0] = True
     try:
         from kvtrace.hook import api  # lazy: absent when the hook runs from staged files without kvtrace

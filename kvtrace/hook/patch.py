@@ -67,3 +67,17 @@ def _original(cls, attr):
 
 def _unbox(obj):
     return obj.__func__ if isinstance(obj, (classmethod, staticmethod)) else obj
+
+
+def _unpatch_all() -> None:
+    """Put back every attribute _patch wrapped (where it still holds our wrapper)."""
+    for (cls, attr), (had_own, original, wrapper) in list(_REGISTRY.items()):
+        try:
+            if cls.__dict__.get(attr) is wrapper:
+                if had_own:
+                    setattr(cls, attr, original)
+                else:
+                    delattr(cls, attr)
+        except Exception as e:
+            state.T.error(e)
+    _REGISTRY.clear()

@@ -17,7 +17,7 @@ import os
 
 from . import plan, sglang_needs, state
 from .exact import exact
-from .patch import _patch
+from .patch import _patch, _unpatch_all
 from .sglang_engine import (G, _alloc_done, _decode_alloc_pre, _evict_done, _evict_pre, _extend_alloc_pre, _next_post,
                             _next_pre, _queue_post, _queue_pre, _result_done, _result_pre, _retract_done, _retract_pre)
 from .source import SourceTree
@@ -122,16 +122,7 @@ def _live_differs(cls, m) -> str | None:
 def uninstall() -> None:
     """Restore every wrapped attribute."""
     G.rec = False
-    for (cls, attr), (had_own, original, wrapper) in list(_REGISTRY.items()):
-        try:
-            if cls.__dict__.get(attr) is wrapper:
-                if had_own:
-                    setattr(cls, attr, original)
-                else:
-                    delattr(cls, attr)
-        except Exception as e:
-            T.error(e)
-    _REGISTRY.clear()
+    _unpatch_all()
     try:
         state._flush(state._monotonic_ns())
     except Exception:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtrace.correlate.causes import MISSES
 from kvtrace.dataset.reader import Dataset
 from kvtrace.demo.sglang_server import SglangServer
 from tests.helpers import wait_for
@@ -326,6 +327,26 @@ def test_servers_lists_the_sglang_server(live):
     assert "SGLang 0.5.23" in table.stdout and "sglang::" not in table.stdout, table.stdout
 
 
+
+def test_inject_by_hand(live):
+    """`kvtrace inject --pid SCHEDULER` puts SGLang's hook in (not vLLM's), reports it, and takes it out."""
+    (sched,) = live["srv"].processes()["engine"]
+
+    def inject(*flags):
+        p = subprocess.run([sys.executable, "-m", "kvtrace", "inject", "--pid", str(sched), *flags, "--json"],
+                           capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert p.returncode == 0, p.stderr
+        (row,) = json.loads(p.stdout)
+        assert row["pid"] == sched and row["role"] == "engine", row
+        return row
+
+    assert not inject("--status")["installed"]
+    row = inject()
+    assert row["installed"] and row["reason"] == "", row
+    assert inject("--status")["installed"]
+    assert not inject("--remove")["installed"]
+    assert not inject("--status")["installed"]
+
 def test_whatif_radix_replay_predicts_another_cache_size(live, tmp_path):
     """`kvtrace whatif` replays the recorded run through its model of SGLang's radix cache at
     6,000 tokens; a real server at --max-total-tokens 6000 given the same workload hits within
@@ -370,7 +391,8 @@ def test_spans_of_an_sglang_dataset(live):
         a = reqs[rid].attrs
         assert a["gen_ai.usage.input_tokens"] == m["prompt_tokens"]
         assert a["gen_ai.usage.cache_read.input_tokens"] == m["cached_tokens"]
-        assert sum(v for k, v in a.items() if k.startswith("kvtrace.miss.")) == m["prompt_tokens"] - m["cached_tokens"]
+        causes = sum(a.get("kvtrace.miss." + c.removeprefix("miss_"), 0) for c in MISSES)
+        assert causes == m["prompt_tokens"] - m["cached_tokens"], (rid, a)
     chunks = [s for s in spans if s.name == "kvtrace.prefill_chunk"]
     assert len(chunks) == live["ds"].table("chunks").num_rows
     assert {s.trace_id for s in chunks} <= {s.trace_id for s in reqs.values()}

@@ -12,6 +12,7 @@ import pytest
 
 from kvtrace.demo.sglang_server import sglang_python
 from kvtrace.hook import support
+from tests import helpers
 from tests.sglang.conftest import STUB
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,12 +44,7 @@ CHANGES = [
 
 def shadow(src: Path, dst: Path, rel: str, old: str, new: str) -> Path:
     """An SGLang package under dst whose files are links to src's, but for a changed copy of rel."""
-    for dirpath, dirnames, filenames in os.walk(src / "sglang"):
-        r = Path(dirpath).relative_to(src)
-        (dst / r).mkdir(parents=True, exist_ok=True)
-        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
-        for f in filenames:
-            (dst / r / f).symlink_to(Path(dirpath) / f)
+    helpers.link_tree(src / "sglang", dst / "sglang")
     text = (src / rel).read_text()
     assert text.count(old) >= 1, f"{rel} no longer holds {old!r}: update this test row"
     (dst / rel).unlink()

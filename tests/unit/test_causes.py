@@ -151,3 +151,21 @@ def test_every_admission_sums_to_its_prefill():
     for k in range(20):
         got = causes_of([s for s in run.segments if s.request == f"R{k}"])[0]
         assert sum(got.values()) == 21 and set(got) == set(CAUSES)
+
+
+def test_a_finished_request_leaves_nothing_behind_after_its_chunks_are_read():
+    """Live, feed after feed: a finished request's chain, lookups and segments go (memory stays
+    bounded by the requests in flight), but not before the chunks of the pass it finished in are read."""
+    run = Run()
+    run.prompt("A", chain("a", 4), skipped=True)
+    run.do(admits=[("A", 0, 8, 0, 0)], chunks=[("A", 0, 0, 8)], finishes=["A"])   # one chunk, one token
+    e = run.replay.engines[PID]
+    assert "A" not in e.chains and "A" not in e.lookups and "A" not in e.running
+    assert run.replay.chunk_causes(PID, "A", 0, 0, 8)["miss_not_looked_up"] == 8   # still readable this pass
+    run.prompt("B", chain("b", 2))
+    run.do(admits=[("B", 0, 8, 0, 0)], chunks=[("B", 0, 0, 4)])
+    assert list(run.replay.kept) == [(PID, "B")]
+    assert run.replay.chunk_causes(PID, "A", 0, 0, 8)["miss_not_looked_up"] == 0
+    run.do(chunks=[("B", 0, 4, 4)], finishes=["B"])
+    run.do()
+    assert not run.replay.kept and not e.chains and not e.running and not e.pending

@@ -3,7 +3,6 @@ its ZMQ KV-event stream that keeps every batch with its arrival time."""
 from __future__ import annotations
 
 import json
-import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,16 +25,10 @@ SERVER_ARGS = [
 
 def vllm_skip_reason() -> str | None:
     py = vllm_python()
-    if not Path(py).exists():
-        return f"needs the vLLM venv ({py}; set KVTRACE_VLLM_PYTHON)"
-    probe = ("from importlib.metadata import entry_points;"
-             "import sys; sys.exit(0 if any(e.name == 'kvtrace' for e in entry_points(group='vllm.general_plugins')) else 3)")
-    r = subprocess.run([py, "-c", probe], capture_output=True, timeout=60)
-    if r.returncode == 3:
-        return f"kvtrace is not installed in the vLLM venv: {Path(py).parent}/pip install --no-deps -e <repo>"
-    if r.returncode:
-        return f"the vLLM venv does not run: {r.stderr.decode(errors='replace')[-300:]}"
-    return None
+    reason = helpers.engine_venv_skip_reason(py, "vLLM", "vllm.general_plugins")
+    if reason and not Path(py).exists():
+        return f"{reason}; set KVTRACE_VLLM_PYTHON"
+    return reason
 
 
 def free_port(lo: int = 8100, hi: int = 8199, avoid: tuple[int, ...] = ()) -> int:

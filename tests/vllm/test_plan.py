@@ -27,6 +27,7 @@ import pytest
 from kvtrace.demo import workload
 from kvtrace.demo.server import DEFAULT_RELEASE, VllmServer, release_python
 from kvtrace.hook import support
+from tests import helpers
 from tests.vllm.conftest import SERVER_ARGS, free_port
 
 NEWEST = "0.33.0"
@@ -189,12 +190,7 @@ def shadow_vllm(site: Path, dst: Path) -> Path:
     """A vLLM package at dst/.../site-packages/vllm whose files are links to ``site``'s, but for
     a changed copy of the scheduler; the server imports it through PYTHONPATH."""
     root = dst / "lib" / "python3.11" / "site-packages"
-    for dirpath, dirnames, filenames in os.walk(site / "vllm"):
-        rel = Path(dirpath).relative_to(site)
-        (root / rel).mkdir(parents=True, exist_ok=True)
-        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
-        for f in filenames:
-            (root / rel / f).symlink_to(Path(dirpath) / f)
+    helpers.link_tree(site / "vllm", root / "vllm")
     sched = root / "vllm/v1/core/sched/scheduler.py"
     text = sched.read_text()
     old = "        self, request: Request, timestamp: float, drop_stale_output: bool = False\n    ) -> None:\n"
