@@ -1,8 +1,8 @@
 """`kvtrace inject`: put the hook into a running vLLM or SGLang server, take it out, or ask its state.
 
-`kvtrace attach` does this by itself for the length of a capture; this command is for
-checking or cleaning up by hand.  Only processes that belong to a vLLM server found by
-discovery (a vLLM or SGLang server) are ever touched.
+`kvtrace attach` does this by itself for the length of a capture; a hook put in by this command
+stays until `--remove` (it records while an agent is attached, as the plugin's does).  Only
+processes of a vLLM or SGLang server found by discovery are ever touched.
 """
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ def command(pid: int, remove: bool, status_only: bool, timeout: float, as_json: 
             return 1
     rows = []
     for p, role in [(p, "engine") for p in server.engine_pids] + [(p, "worker") for p in server.worker_pids]:
-        rep = injector.hook(p, action, timeout, checked=checked, engine=getattr(server, "engine", "vllm"))
+        rep = injector.hook(p, action, timeout, checked=checked, engine=getattr(server, "engine", "vllm"),
+                             owned=False)   # by hand: it stays until `--remove`
         st = rep.get("status") or {}
         rows.append({"pid": p, "role": role, "installed": st.get("installed"), "reused": rep.get("reused"),
                      "reason": rep.get("error") or st.get("reason", ""), "roles": st.get("roles"),

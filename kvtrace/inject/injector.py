@@ -72,14 +72,15 @@ def _remote_exec(pid: int, inner_path: str, timeout: float) -> None:
 
 
 def hook(pid: int, action: str = "install", timeout: float = 10.0, checked: dict | None = None,
-         engine: str = "vllm") -> dict:
+         engine: str = "vllm", owned: bool = True) -> dict:
     """Install or uninstall the hook of ``engine`` ("vllm", "sglang") in pid; returns the loader's
     report.  ``checked``: the verdict on the target's source (kvtrace.hook.support.check), which
-    the hook uses instead of reading that source again while the target waits."""
+    the hook uses instead of reading that source again while the target waits.  ``owned``: a
+    hook this call installs leaves when this process exits (attach); else it stays until removed."""
     phases.mark("inject_start", action, pid)
     try:
         inner_dir, _ = stage.stage(pid, python=python_version(pid))
-        code = loader.render(inner_dir, "__RESULT__", action, owner=os.getpid(), checked=checked,
+        code = loader.render(inner_dir, "__RESULT__", action, owner=os.getpid() if owned else 0, checked=checked,
                              engine=engine).replace('"__RESULT__"', "RESULT_PATH")
         return run(pid, code, timeout)
     finally:

@@ -37,8 +37,8 @@ def _kvtrace_loader(hook_dir, result_path, action, owner, checked, module):
             except TypeError:  # a hook of an earlier kvtrace (a plugin's) takes no verdict
                 res["installed"] = bool(mod.install(live=True))
             res["reused"] = was
-            if res["installed"] and owner and not was:
-                mod.set_owner(owner)  # a hook this injection installed leaves with its agent
+            if res["installed"] and not was:
+                mod.set_owner(owner)  # it leaves with its agent (0: stays; also forgets an earlier agent's)
         elif action == "uninstall":
             mod.uninstall()
             res["installed"] = False

@@ -329,7 +329,8 @@ def test_servers_lists_the_sglang_server(live):
 
 
 def test_inject_by_hand(live):
-    """`kvtrace inject --pid SCHEDULER` puts SGLang's hook in (not vLLM's), reports it, and takes it out."""
+    """`kvtrace inject --pid SCHEDULER` puts SGLang's hook in (not vLLM's); it stays after the
+    command exits, through served requests, until `--remove` takes it out."""
     (sched,) = live["srv"].processes()["engine"]
 
     def inject(*flags):
@@ -343,7 +344,11 @@ def test_inject_by_hand(live):
     assert not inject("--status")["installed"]
     row = inject()
     assert row["installed"] and row["reason"] == "", row
-    assert inject("--status")["installed"]
+    time.sleep(2.5)   # an owned hook would check its owner (once a second) and leave
+    live["srv"].generate([5, 6, 7], max_new_tokens=2)
+    row = inject("--status")
+    assert row["installed"], row["reason"]
+    assert "removed: its agent" not in live["srv"].log_path.read_text()
     assert not inject("--remove")["installed"]
     assert not inject("--status")["installed"]
 
