@@ -136,8 +136,8 @@ def _require(inp: Inputs, ds: Dataset) -> None:
     kernel = [t for t in ds.names() if t not in HOOK_TABLES]
     what = f"only kernel tables ({', '.join(kernel)})" if kernel and not hook else f"tables {', '.join(hook) or 'none'}"
     raise DatasetError(
-        f"{inp.root} has no vLLM hook records in table {', '.join(lacking)} ({what}): "
-        "KV reuse, chunk timing and service figures need the kvtrace hook inside vLLM (kvtrace attach to a vLLM server)")
+        f"{inp.root} has no hook records in table {', '.join(lacking)} ({what}): KV reuse, chunk timing and "
+        "service figures need the kvtrace hook inside the engine (kvtrace attach to a vLLM or SGLang server)")
 
 
 GAP_TEXT = {

@@ -195,7 +195,7 @@ def test_kernel_only_dataset(tmp_path):
     for t in ("step", "chunk", "admit", "evict", "preempt", "kv_load", "arrive", "prompt_blocks"):
         shutil.rmtree(root / t)
     msg = one_line_error(cli("analyze", root))
-    assert "no vLLM hook records" in msg and "step, chunk, admit" in msg and "only kernel tables (block_io)" in msg
+    assert "has no hook records" in msg and "step, chunk, admit" in msg and "only kernel tables (block_io)" in msg
 
 
 def test_truncated_file_is_named_and_left_out(tmp_path):
