@@ -171,7 +171,7 @@ def test_refusals_are_one_line_and_leave_the_target_untouched(plain_server, tmp_
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         p = run_inject("--pid", str(other.pid))
-        assert p.returncode == 3 and "not part of a vLLM server" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+        assert p.returncode == 3 and "not part of a vLLM or SGLang server" in p.stderr and len(p.stderr.strip().splitlines()) == 1
         assert other.poll() is None
     finally:
         other.kill()
