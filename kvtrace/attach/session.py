@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvtrace.attach.agentflag import AgentFlag
+from kvtrace.host.confined import UnsafePath
 from kvtrace.capture import agg, fdskip, rawfile
 from kvtrace.errors import OutputError
 from kvtrace.attach import fabric
@@ -127,13 +128,25 @@ def _verdict(server, cap: Capture) -> dict | None:
     return hooksupport.verdict(server)
 
 
+def _flag(usermark: bool, echo) -> AgentFlag | None:
+    """The agent's flag for the hook, or None (said why) where its directory cannot be trusted."""
+    if not usermark:
+        return None
+    try:
+        return AgentFlag().__enter__()
+    except UnsafePath as e:
+        echo(f"kvtrace: {e}; no hook this run (it sends records only while an agent's flag is there)")
+        return None
+
+
 def _loop(cap: Capture, source, pipeline, server, stop: Stop, gated, echo) -> str:
     """Flush every ``flush_interval`` until ``stop`` says why; then take the hook out."""
     from kvtrace.inject.session import inject_hook  # lazy: start-up cost: the CLI imports attach's options for every command
 
     status = StatusLine(quiet=cap.quiet)
     usermark = "usermark" in cap.plan.attached
-    flag = AgentFlag().__enter__() if usermark else None
+    flag = _flag(usermark, echo)
+    usermark = flag is not None
     injection = inject_hook(server, cap.inject, usermark, echo, flag, checked=_verdict(server, cap))
     watch = None
     if server is not None and server.port is not None:

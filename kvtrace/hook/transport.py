@@ -28,10 +28,10 @@ FLAG_PATH = os.environ.get("KVTRACE_FLAG", "/dev/shm/kvtrace-agents")
 RECHECK_NS = 1_000_000_000
 
 
-def entry_live(path: str, name: str = "") -> bool:
-    """Whether one flag entry names a live agent (see FLAG_PATH)."""
+def entry_live(path: str, name: str = "", dir_fd: int | None = None) -> bool:
+    """Whether one flag entry names a live agent (see FLAG_PATH); a link or FIFO is none."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError:
         return False
     try:

@@ -4,15 +4,21 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
-from kvtrace.errors import TargetError
+from kvtrace.errors import KvtraceError, TargetError
+from kvtrace.host import confined
 
 SHT_SYMTAB, SHT_DYNSYM = 2, 11
 ET_EXEC = 2
 
 
+ELF_LIMIT = 1 << 30
+
+
 def symbols(path: str | Path, wanted: set[str]) -> tuple[int, dict[str, int]]:
-    """(ELF type, {name: st_value}) for the wanted names found in .dynsym or .symtab."""
-    data = Path(path).read_bytes()
+    """(ELF type, {name: st_value}) for the wanted names found in .dynsym or .symtab.  ``path``
+    is read as the file it names (``/proc/PID/map_files/…``: the very file mapped, whatever
+    now lies at its name), regular and at most ELF_LIMIT bytes, without blocking."""
+    data = confined.read_regular(None, str(path), ELF_LIMIT, follow=True)
     if data[:4] != b"\x7fELF" or data[4] != 2:
         raise TargetError(f"{path} is not a 64-bit ELF file")
     e_type = struct.unpack_from("<H", data, 16)[0]
@@ -43,6 +49,7 @@ def resolve(pid: int, names: set[str]) -> dict[str, int]:
     """Run-time addresses of names in pid: from libpython if it is mapped, else the executable."""
     maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
     files: dict[str, int] = {}
+    ranges: dict[str, str] = {}   # a mapping of each file, to open it by /proc/PID/map_files
     order: list[str] = []
     for line in maps:
         parts = line.split(None, 5)
@@ -51,6 +58,7 @@ def resolve(pid: int, names: set[str]) -> dict[str, int]:
         start = int(parts[0].split("-")[0], 16)
         offset = int(parts[2], 16)
         path = parts[5].strip()
+        ranges.setdefault(path, parts[0])
         if path not in files:
             order.append(path)
             files[path] = start - offset if offset == 0 else files.get(path, start - offset)
@@ -59,8 +67,8 @@ def resolve(pid: int, names: set[str]) -> dict[str, int]:
     candidates = [p for p in order if "libpython3" in p] + [p for p in order if "/python" in p and "libpython" not in p]
     for path in candidates:
         try:
-            e_type, syms = symbols(f"/proc/{pid}/root{path}", names)
-        except (OSError, TargetError, struct.error):
+            e_type, syms = symbols(f"/proc/{pid}/map_files/{ranges[path]}", names)
+        except (OSError, KvtraceError, struct.error, ValueError, IndexError):
             continue
         if names <= syms.keys():
             base = 0 if e_type == ET_EXEC else files[path]

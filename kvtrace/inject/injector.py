@@ -6,12 +6,14 @@ import os
 import re
 import subprocess
 import time
-import uuid
 from pathlib import Path
 
 from kvtrace import phases
 from kvtrace.errors import TargetError
+from kvtrace.host import confined
 from kvtrace.inject import loader, ptrace, stage
+
+RESULT = "result.json"
 
 
 def python_version(pid: int) -> tuple[int, int]:
@@ -27,44 +29,54 @@ def python_version(pid: int) -> tuple[int, int]:
     return 3, int(m.group(1))
 
 
-def run(pid: int, code: str, timeout: float = 10.0) -> dict:
-    """Run ``code`` (which must write JSON to RESULT_PATH) in pid; return that JSON."""
-    major, minor = python_version(pid)
-    if (major, minor) < (3, 11):
-        raise TargetError(f"process {pid} runs Python {major}.{minor}; live injection supports 3.11+")
-    token = uuid.uuid4().hex[:8]
-    inner_code = f"/tmp/kvtrace-inject-{pid}-{token}.py"
-    inner_result = f"/tmp/kvtrace-inject-{pid}-{token}.json"
-    root = stage.target_root(pid)
-    code_here = root / inner_code.lstrip("/")
-    result_here = root / inner_result.lstrip("/")
-    code_here.write_text(code.replace("RESULT_PATH", json.dumps(inner_result)))
-    code_here.chmod(0o644)
+def run(pid: int, st: stage.Staged, code: str, minor: int, timeout: float = 10.0) -> dict:
+    """Run the loader ``code`` in pid from the staging ``st``; return the JSON it wrote."""
+    body = code.encode()
+    confined.write_exclusive(st.dir_fd, "loader.py", body, 0o644, shown=f"{st.inner}/loader.py")
+    line = loader.bootstrap(f"{st.inner}/loader.py", body)
+    if minor >= 14:
+        confined.write_exclusive(st.dir_fd, "boot.py", line.encode(), 0o644, shown=f"{st.inner}/boot.py")
+        _remote_exec(pid, f"{st.inner}/boot.py", timeout)
+    else:
+        ptrace.run_code(pid, line, timeout)
+    return _result(pid, st, timeout)
+
+
+def _result(pid: int, st: stage.Staged, timeout: float) -> dict:
+    """The loader's report, read from the target's result directory as a regular file of at
+    most 1 MiB (the target's user owns that directory: what it holds is not trusted further)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.stat(RESULT, dir_fd=st.result_fd, follow_symlinks=False)
+            break
+        except FileNotFoundError:
+            pass
+        if time.monotonic() > deadline:
+            raise TargetError(f"process {pid} did not run the injected code within {timeout:.0f}s")
+        if not Path(f"/proc/{pid}").exists():
+            raise TargetError(f"process {pid} exited during injection")
+        time.sleep(0.05)
     try:
-        if minor >= 14:
-            _remote_exec(pid, inner_code, timeout)
-        else:
-            ptrace.run_code(pid, f"exec(open({inner_code!r}).read())", timeout)
-        deadline = time.monotonic() + timeout
-        while not result_here.exists():
-            if time.monotonic() > deadline:
-                raise TargetError(f"process {pid} did not run the injected code within {timeout:.0f}s")
-            if not Path(f"/proc/{pid}").exists():
-                raise TargetError(f"process {pid} exited during injection")
-            time.sleep(0.05)
-        return json.loads(result_here.read_text())
-    finally:
-        for p in (code_here, result_here):
-            try:
-                p.unlink()
-            except OSError:
-                pass
+        rep = json.loads(confined.read_regular(st.result_fd, RESULT, shown=f"{st.inner}/r/{RESULT}"))
+    except (confined.UnsafePath, ValueError) as e:
+        raise TargetError(f"process {pid}: the injected code's report is unreadable ({e})") from None
+    if not isinstance(rep, dict):
+        raise TargetError(f"process {pid}: the injected code's report is not an object")
+    return rep
 
 
 def _remote_exec(pid: int, inner_path: str, timeout: float) -> None:
     """Python 3.14+: the target's own interpreter calls sys.remote_exec (PEP 768); the code
     runs at the target's next safe point."""
     exe = f"/proc/{pid}/exe"
+    try:
+        st = os.stat(exe)
+    except OSError:
+        raise TargetError(f"process {pid} exited during injection") from None
+    if st.st_uid != 0 or st.st_mode & 0o022:
+        raise TargetError(f"process {pid}: its interpreter is not root's alone (uid {st.st_uid}, mode "
+                          f"{st.st_mode & 0o7777:04o}); kvtrace runs no other user's program as root")
     p = subprocess.run([exe, "-c", f"import sys; sys.remote_exec({pid}, {inner_path!r})"],
                        capture_output=True, text=True, timeout=timeout)
     if p.returncode:
@@ -79,9 +91,18 @@ def hook(pid: int, action: str = "install", timeout: float = 10.0, checked: dict
     hook this call installs leaves when this process exits (attach); else it stays until removed."""
     phases.mark("inject_start", action, pid)
     try:
-        inner_dir, _ = stage.stage(pid, python=python_version(pid))
-        code = loader.render(inner_dir, "__RESULT__", action, owner=os.getpid() if owned else 0, checked=checked,
-                             engine=engine).replace('"__RESULT__"', "RESULT_PATH")
-        return run(pid, code, timeout)
+        major, minor = python_version(pid)
+        if minor < 11:
+            raise TargetError(f"process {pid} runs Python 3.{minor}; live injection supports 3.11+")
+        try:
+            st = stage.stage(pid, python=(major, minor))
+        except confined.UnsafePath as e:
+            raise TargetError(f"process {pid}: the hook is not staged: {e}") from None
+        try:
+            code = loader.render(st.files, f"{st.inner}/{stage.RESULT_DIR}/{RESULT}", action,
+                                 owner=os.getpid() if owned else 0, checked=checked, engine=engine)
+            return run(pid, st, code, minor, timeout)
+        finally:
+            st.close()
     finally:
         phases.mark("inject_end", action, pid)

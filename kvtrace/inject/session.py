@@ -15,6 +15,7 @@ import psutil
 
 from kvtrace.errors import KvtraceError, TargetError
 from kvtrace.hook import support
+from kvtrace.host.confined import UnsafePath
 from kvtrace.inject import injector
 
 SIGNALS = "steps, chunks, hits, evictions, preemptions, KV connector loads and stores"
@@ -35,9 +36,11 @@ class InjectionSession:
     timeout: float = 10.0
     results: list[Injected] = field(default_factory=list)
     checked: dict | None = None   # kvtrace.hook.support.check of the server's vLLM
+    skip: dict = field(default_factory=dict)   # pid -> why it is not injected
 
     def targets(self) -> list[tuple[int, str]]:
-        return [(p, "engine") for p in self.server.engine_pids] + [(p, "worker") for p in self.server.worker_pids]
+        both = [(p, "engine") for p in self.server.engine_pids] + [(p, "worker") for p in self.server.worker_pids]
+        return [(p, r) for p, r in both if p not in self.skip]
 
     def install(self) -> list[Injected]:
         if not self.targets():
@@ -99,8 +102,13 @@ def inject_hook(server, inject: bool, usermark: bool, echo, flag=None, checked: 
         return None
     session = InjectionSession(server, checked=checked)
     if flag is not None:
-        for pid, _ in session.targets():
-            flag.add_root(f"/proc/{pid}/root")
+        for pid, role in session.targets():
+            try:
+                flag.add_root(f"/proc/{pid}/root")
+            except UnsafePath as e:
+                session.skip[pid] = str(e)
+                echo(f"kvtrace: {name} signals missing in {role} {pid}: not injected, its agent flag cannot be "
+                     f"put there safely ({e})")
     try:
         results = session.install()
     except TargetError as e:

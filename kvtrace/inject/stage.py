@@ -1,85 +1,125 @@
-"""Stage the hook's files where the target can import them, through /proc/PID/root so a
-containerised server sees them at the same in-container path.
+"""Stage the hook's files where one target can read them, confined to the target's own tree.
 
-When the target runs the agent's Python minor version, the files are staged compiled too
-(``__pycache__``, as the target would write them): the import inside the target, which holds
-its main thread while it runs, then reads bytecode instead of compiling about 1,500 lines.
+Each injection gets a directory of its own under the target's /tmp (reached through
+``/proc/PID/root``, so a containerised server sees it at the same in-container path), made
+exclusively with a random name, root's, mode 0755, every file written with
+``O_CREAT|O_EXCL|O_NOFOLLOW`` (kvtrace.host.confined).  /tmp itself must be a real directory
+(no link on the way) owned by root, by the target's user or by the container's root, and
+sticky where others can write in it; otherwise the injection is refused in one line.  The
+directory is removed when the injection ends: nothing stays on a shared path.
+
+The target is never told to import a path: the loader (kvtrace.inject.loader) reads each
+file, checks its SHA-256 against the digests the agent handed it in the injected code itself,
+and runs modules only from the bytes it checked.  When the target runs the agent's Python
+minor version, the files' bytecode is staged too (marshalled, digests likewise), so the import,
+which holds the target's main thread, does not compile about 1,500 lines.
 """
 from __future__ import annotations
 
 import hashlib
+import marshal
 import os
-import py_compile
-import shutil
+import secrets
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import kvtrace
+from kvtrace.host import confined
 
 # Every module the hook imports (vllm_hook.py imports state, engine, worker, targets, patch and
 # install; targets the plan's needs, plan, source, support and releases; sglang_hook.py its
-# sglang_needs and sglang_engine).  vllm_hook.py last: _compile stops at the first failure, so _compiled() takes its
-# bytecode to mean every file's.
+# sglang_needs and sglang_engine).
 HOOK_FILES = ["__init__.py", "hook/__init__.py", "hook/exact.py", "hook/wire.py", "hook/transport.py", "hook/api.py",
               "hook/state.py", "hook/engine.py", "hook/worker.py", "hook/patch.py", "hook/source.py", "hook/plan.py",
               "hook/needs.py", "hook/releases.py", "hook/support.py", "hook/targets.py", "hook/install.py",
               "hook/sglang_needs.py", "hook/sglang_engine.py", "hook/sglang_hook.py", "hook/vllm_hook.py"]
+RESULT_DIR = "r"
 
 
 def package_dir() -> Path:
     return Path(kvtrace.__file__).resolve().parent
 
 
-def digest() -> str:
-    h = hashlib.sha256()
-    for rel in HOOK_FILES:
-        h.update((package_dir() / rel).read_bytes())
-    return h.hexdigest()[:12]
+def module_name(rel: str) -> str:
+    return "kvtrace." + rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".") if rel != "__init__.py" \
+        else "kvtrace"
 
 
-def target_root(pid: int) -> Path:
-    """The target's filesystem root as seen from here (its mount namespace)."""
-    return Path(f"/proc/{pid}/root")
+def target_uid(pid: int) -> int:
+    """The target's effective uid, as this host numbers it."""
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        raise confined.UnsafePath(f"process {pid} exited or cannot be read") from None
 
 
-def stage(pid: int, base: str = "/tmp", python: tuple[int, int] | None = None) -> tuple[str, Path]:
-    """Copy the hook into <target root>/<base>/kvtrace-hook-<digest>; returns (path inside the
-    target, path here).  Files are root-owned and world-readable, so the target can import them.
-    ``python``: the target's (major, minor); the same as ours adds the compiled files."""
-    inner = f"{base}/kvtrace-hook-{kvtrace.__version__}-{digest()}"
-    here = target_root(pid) / inner.lstrip("/")
-    compile_too = python == tuple(sys.version_info[:2])
-    if not (here / "kvtrace" / "hook" / "vllm_hook.py").exists():
-        tmp = here.parent / f".{here.name}.{os.getpid()}"
+@dataclass
+class Staged:
+    """One injection's directory in the target: ``inner`` as the target sees it."""
+    inner: str
+    tmp_fd: int
+    name: str
+    dir_fd: int
+    result_fd: int
+    files: dict = field(default_factory=dict)   # module name -> [path inside, sha256, is package, code path, sha256]
+
+    def close(self) -> None:
+        for fd in (self.result_fd, self.dir_fd):
+            os.close(fd)
+        confined.remove_tree(self.tmp_fd, self.name)
+        os.close(self.tmp_fd)
+
+
+def stage(pid: int, base: str = "/tmp", python: tuple[int, int] | None = None, root: str | None = None) -> Staged:
+    """Copy the hook into a new ``<base>/kvtrace-<random>`` in the target's tree; its results
+    subdirectory belongs to the target's user (mode 0700), the rest to root.  ``python``: the
+    target's (major, minor); the same as ours adds the bytecode."""
+    uid = target_uid(pid)
+    with confined.Root(root or f"/proc/{pid}/root") as r:
+        tmp_fd = r.opendir(base, owners={0, uid, r.uid})
+    name = f"kvtrace-{secrets.token_hex(8)}"
+    try:
+        dir_fd = confined.mkdir_exclusive(tmp_fd, name, 0o755, f"{base}/{name}")
+    except BaseException:
+        os.close(tmp_fd)
+        raise
+    st = Staged(f"{base.rstrip('/')}/{name}", tmp_fd, name, dir_fd, -1)
+    try:
+        st.result_fd = confined.mkdir_exclusive(dir_fd, RESULT_DIR, 0o700, f"{st.inner}/{RESULT_DIR}")
+        os.fchown(st.result_fd, uid, -1)
+        _write_hook(st, python == tuple(sys.version_info[:2]))
+    except BaseException:
+        st.close()
+        raise
+    return st
+
+
+def _write_hook(st: Staged, compile_too: bool) -> None:
+    dirs: dict[str, int] = {"": st.dir_fd}
+    try:
         for rel in HOOK_FILES:
-            dst = tmp / "kvtrace" / rel
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(package_dir() / rel, dst)
-        if compile_too:
-            _compile(tmp, inner)
-        for p in [tmp, *tmp.rglob("*")]:
-            p.chmod(0o755 if p.is_dir() else 0o644)
-        try:
-            tmp.rename(here)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)  # another agent staged it first
-    elif compile_too and not _compiled(here):
-        _compile(here, inner)   # staged by a kvtrace that did not compile (pyc writes are atomic)
-    return inner, here
+            parent = os.path.dirname(f"kvtrace/{rel}")
+            fd = _subdir(st, dirs, parent)
+            inner = f"{st.inner}/kvtrace/{rel}"
+            src = (package_dir() / rel).read_bytes()
+            confined.write_exclusive(fd, os.path.basename(rel), src, 0o644, shown=inner)
+            entry = [inner, hashlib.sha256(src).hexdigest(), rel.endswith("__init__.py"), "", ""]
+            if compile_too:
+                code = marshal.dumps(compile(src, inner, "exec", dont_inherit=True))
+                confined.write_exclusive(fd, os.path.basename(rel) + "c", code, 0o644, shown=inner + "c")
+                entry[3:] = [inner + "c", hashlib.sha256(code).hexdigest()]
+            st.files[module_name(rel)] = entry
+    finally:
+        for key, fd in dirs.items():
+            if key:
+                os.close(fd)
 
 
-def _compiled(root: Path) -> bool:
-    src = root / "kvtrace" / "hook" / "vllm_hook.py"
-    return (src.parent / "__pycache__" / f"vllm_hook.{sys.implementation.cache_tag}.pyc").exists()
-
-
-def _compile(root: Path, inner: str) -> None:
-    """Write each file's bytecode where the target's import looks for it (the pyc records the
-    source's size and mtime, which the rename to the final path keeps); best effort."""
-    for rel in HOOK_FILES:
-        src = root / "kvtrace" / rel
-        try:
-            py_compile.compile(str(src), dfile=f"{inner}/kvtrace/{rel}", doraise=True,
-                               invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP)
-        except (py_compile.PyCompileError, OSError):
-            return
+def _subdir(st: Staged, dirs: dict[str, int], key: str) -> int:
+    """The directory ``key`` ("kvtrace", "kvtrace/hook") below the staged one, made by this
+    staging the first time it is asked for."""
+    if key not in dirs:
+        parent = _subdir(st, dirs, os.path.dirname(key))
+        dirs[key] = confined.mkdir_exclusive(parent, os.path.basename(key), 0o755, f"{st.inner}/{key}")
+    return dirs[key]

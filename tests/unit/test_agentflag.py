@@ -64,6 +64,7 @@ def test_a_flag_file_names_one_pid(tmp_path):
 
 def test_add_root_flags_the_agent_inside_another_root_once(tmp_path):
     d = str(tmp_path / "host" / "shm" / "agents")
+    (tmp_path / "host" / "shm").mkdir(parents=True)
     root = tmp_path / "ctr"
     (root / str(tmp_path / "host" / "shm").lstrip("/")).mkdir(parents=True)
     with AgentFlag(d) as flag:

@@ -1,47 +1,184 @@
-"""Staging the hook for injection: for a target on our Python minor version the files come
-compiled, and that target's import reads the bytecode (the part of an injection that holds
-the server's main thread).  No root: staged into a temp dir of this process's own root."""
+"""Staging the hook for injection, confined to the target's tree: a new directory of its own
+for each injection, root's, made exclusively and removed at the end; the target runs only
+bytes whose digests the agent sent in the injected code (the loader's included), so a file
+planted or changed on the shared path never runs; the base directory is refused when reached
+through a link or when others can swap things in it.  No ptrace here: the loader is run by a
+child interpreter, as the injected one-liner runs it (tests/privileged/test_hostile.py does it
+by ptrace into live processes)."""
 from __future__ import annotations
 
+import json
 import os
+import stat
 import subprocess
 import sys
-from pathlib import Path
 
-from kvtrace.inject import stage
+import pytest
+
+from kvtrace.host import confined
+from kvtrace.inject import loader, stage
+
+PY = "/usr/bin/python3"
 
 
-def _imports(inner: str, module: str) -> str:
-    p = subprocess.run([sys.executable, "-v", "-c", f"import sys; sys.path.insert(0, {inner!r}); import {module}"],
-                       capture_output=True, text=True, cwd="/", env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+def _run_loader(st: stage.Staged, action: str = "install", name: str = "loader.py") -> tuple[dict | None, str]:
+    """Write the loader as the injector does and run the injected line in a child; (its report, the
+    child's kvtrace modules)."""
+    code = loader.render(st.files, f"{st.inner}/r/{name}.json", action).encode()
+    confined.write_exclusive(st.dir_fd, name, code)
+    line = loader.bootstrap(f"{st.inner}/{name}", code)
+    p = subprocess.run([PY, "-c", line + "\nimport sys; print(sorted(m for m in sys.modules if 'kvtrace' in m))"],
+                       capture_output=True, text=True, cwd="/", timeout=60)
     assert p.returncode == 0, p.stderr[-2000:]
-    return p.stderr
+    path = f"{st.inner}/r/{name}.json"
+    return (json.load(open(path)) if os.path.exists(path) else None), p.stdout
 
 
-def test_same_python_target_gets_bytecode(tmp_path):
-    inner, here = stage.stage(os.getpid(), base=str(tmp_path), python=sys.version_info[:2])
-    assert here == Path(f"/proc/{os.getpid()}/root{inner}") and here.resolve() == Path(inner)
-    tag = sys.implementation.cache_tag
-    for rel in stage.HOOK_FILES:
-        src = Path(inner) / "kvtrace" / rel
-        pyc = src.parent / "__pycache__" / f"{src.stem}.{tag}.pyc"
-        assert pyc.is_file() and oct(pyc.stat().st_mode & 0o777) == "0o644", pyc
-    log = _imports(inner, "kvtrace.hook.wire")
-    wire_pyc = f"{inner}/kvtrace/hook/__pycache__/wire.{tag}.pyc"
-    assert f"# {wire_pyc} matches {inner}/kvtrace/hook/wire.py" in log, log[-3000:]
-    assert f"code object from '{wire_pyc}'" in log
+def _same_minor() -> bool:
+    return subprocess.run([PY, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True,
+                          text=True).stdout.strip() == str(tuple(sys.version_info[:2]))
+
+
+def test_a_new_private_directory_for_each_injection_removed_at_the_end(tmp_path):
+    a, b = stage.stage(os.getpid(), base=str(tmp_path)), stage.stage(os.getpid(), base=str(tmp_path))
+    try:
+        assert a.inner != b.inner and os.path.basename(a.inner).startswith("kvtrace-")
+        st = os.stat(a.inner)
+        assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (os.geteuid(), 0o755)
+        r = os.stat(f"{a.inner}/r")
+        assert (r.st_uid, stat.S_IMODE(r.st_mode)) == (os.getuid(), 0o700)
+        for entry in a.files.values():
+            assert stat.S_IMODE(os.stat(entry[0]).st_mode) == 0o644
+    finally:
+        a.close()
+        b.close()
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.skipif(not _same_minor(), reason="/usr/bin/python3 is not the agent's Python minor version")
+def test_the_target_runs_the_checked_bytecode(tmp_path):
+    st = stage.stage(os.getpid(), base=str(tmp_path), python=sys.version_info[:2])
+    try:
+        assert all(e[3].endswith(".pyc") and os.path.isfile(e[3]) for e in st.files.values())
+        os.unlink(st.files["kvtrace.hook.wire"][0])    # the source is not what runs: the checked bytecode is
+        rep, mods = _run_loader(st)
+    finally:
+        st.close()
+    assert "error" not in rep, rep
+    assert rep["hook_file"] == f"{st.inner}/kvtrace/hook/vllm_hook.py"
+    assert "'kvtrace.hook.wire'" in mods and "'kvtrace.hook.vllm_hook'" in mods
 
 
 def test_other_python_target_gets_sources_only(tmp_path):
-    inner, _ = stage.stage(os.getpid(), base=str(tmp_path), python=(3, sys.version_info[1] + 1))
-    assert not list(Path(inner).rglob("__pycache__"))
-    log = _imports(inner, "kvtrace.hook.wire")
-    assert f"# code object from {inner}/kvtrace/hook/wire.py\n" in log, log[-3000:]   # compiled from source
+    st = stage.stage(os.getpid(), base=str(tmp_path), python=(3, sys.version_info[1] + 1))
+    try:
+        assert not [e for e in st.files.values() if e[3]]
+        assert not [f for _, _, fs in os.walk(st.inner) for f in fs if f.endswith(".pyc")]
+        rep, mods = _run_loader(st, "status")
+    finally:
+        st.close()
+    assert rep["status"]["reason"] == "no kvtrace hook in this process" and mods.strip() == "[]"
 
 
-def test_an_earlier_staging_without_bytecode_gets_it(tmp_path):
-    inner, _ = stage.stage(os.getpid(), base=str(tmp_path), python=None)
-    assert not list(Path(inner).rglob("*.pyc"))
-    again, _ = stage.stage(os.getpid(), base=str(tmp_path), python=sys.version_info[:2])
-    assert again == inner and len(list(Path(inner).rglob("*.pyc"))) == len(stage.HOOK_FILES)
-    assert f"code object from '{inner}/kvtrace/hook/__pycache__/wire." in _imports(inner, "kvtrace.hook.wire")
+@pytest.mark.parametrize("victim", ["kvtrace.hook.state", "kvtrace"])
+def test_a_changed_staged_file_never_runs(tmp_path, victim):
+    marker = tmp_path / "ran"
+    (tmp_path / "base").mkdir()
+    st = stage.stage(os.getpid(), base=str(tmp_path / "base"))
+    try:
+        path = st.files[victim][3] or st.files[victim][0]
+        os.chmod(path, 0o644)
+        with open(path, "w") as f:   # what an attacker who could write there would put
+            f.write(f"open({str(marker)!r}, 'w').write('planted')\n")
+        rep, mods = _run_loader(st)
+    finally:
+        st.close()
+    assert not marker.exists()
+    assert rep["error"] == f"ImportError: the staged file {path} is not the one kvtrace wrote"
+    assert mods.strip() == "[]"
+
+
+def test_a_changed_loader_never_runs(tmp_path):
+    marker = tmp_path / "ran"
+    st = stage.stage(os.getpid(), base=str(tmp_path))
+    try:
+        code = loader.render(st.files, f"{st.inner}/r/x.json", "install").encode()
+        confined.write_exclusive(st.dir_fd, "loader.py", f"open({str(marker)!r}, 'w')\n".encode())
+        p = subprocess.run([PY, "-c", loader.bootstrap(f"{st.inner}/loader.py", code)], capture_output=True,
+                           text=True, cwd="/", timeout=60)
+    finally:
+        st.close()
+    assert p.returncode == 0 and not marker.exists()
+
+
+def test_a_planted_directory_of_the_old_predictable_name_is_never_imported(tmp_path):
+    """Earlier kvtrace staged to /tmp/kvtrace-hook-VERSION-DIGEST and used it if it existed."""
+    marker = tmp_path / "ran"
+    base = tmp_path / "tmp"
+    base.mkdir(mode=0o1777)
+    os.chmod(base, 0o1777)
+    planted = base / "kvtrace-hook-0.1.0-000000000000" / "kvtrace"
+    (planted / "hook").mkdir(parents=True)
+    for rel in stage.HOOK_FILES:
+        (planted / rel).write_text(f"open({str(marker)!r}, 'w').write('planted')\n")
+    st = stage.stage(os.getpid(), base=str(base))
+    try:
+        rep, _ = _run_loader(st)
+    finally:
+        st.close()
+    assert "error" not in rep and not marker.exists()
+    assert sorted(os.listdir(base)) == ["kvtrace-hook-0.1.0-000000000000"]
+
+
+def test_a_base_reached_through_a_link_is_refused_and_the_host_left_alone(tmp_path):
+    """A container whose /tmp links out: through /proc/PID/root an absolute link would land in
+    the host's tree; resolved in the container's root with no link followed, it is refused."""
+    host_dir = tmp_path / "host-secret"
+    host_dir.mkdir(mode=0o700)
+    (host_dir / "keep").write_text("root only\n")
+    root = tmp_path / "ctr"
+    root.mkdir()
+    (root / "tmp").symlink_to(str(host_dir))
+    before = _tree(host_dir)
+    with pytest.raises(confined.UnsafePath, match=rf"^{root}/tmp: not used, it is, or passes through, a symbolic link$"):
+        stage.stage(os.getpid(), base="/tmp", root=str(root))
+    assert _tree(host_dir) == before
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory to another uid")
+@pytest.mark.parametrize("mode,owner,ok", [(0o1777, 0, True), (0o777, 0, False), (0o755, 12345, False),
+                                           (0o1777, 12345, False), (0o700, "target", True)])
+def test_the_base_must_be_safe_from_other_users(tmp_path, mode, owner, ok):
+    base = tmp_path / "tmp"
+    base.mkdir()
+    os.chown(base, os.getuid() if owner == "target" else owner, -1)
+    os.chmod(base, mode)
+    if ok:
+        stage.stage(os.getpid(), base=str(base)).close()
+        assert os.listdir(base) == []
+    else:
+        with pytest.raises(confined.UnsafePath, match=rf"^/proc/{os.getpid()}/root{base}: not used, "):
+            stage.stage(os.getpid(), base=str(base))
+
+
+def test_the_walk_without_openat2_refuses_links_and_dotdot(tmp_path, monkeypatch):
+    monkeypatch.setattr(confined, "_openat2_ok", False)
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with confined.Root(str(tmp_path)) as r:
+        os.close(r.opendir("/real"))
+        with pytest.raises(confined.UnsafePath, match="symbolic link"):
+            r.opendir("/link")
+        with pytest.raises(confined.UnsafePath, match="leads out"):
+            r.opendir("/real/..")
+    assert confined._openat2_ok is False
+
+
+def _tree(d) -> list:
+    out = []
+    for dirpath, dirs, files in os.walk(d):
+        for n in sorted(dirs + files):
+            p = os.path.join(dirpath, n)
+            st = os.lstat(p)
+            out.append((p, st.st_mode, st.st_uid, st.st_gid, open(p, "rb").read() if os.path.isfile(p) else None))
+    return out
