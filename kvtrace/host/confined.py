@@ -191,7 +191,11 @@ def mkdir_exclusive(dirfd: int, name: str, mode: int, shown: str) -> int:
 def opendir_at(dirfd: int, name: str, shown: str, owners: set[int] | None = None, private: bool = False) -> int:
     """An existing directory ``name`` in dirfd, not a link; checked as ``check_dir`` does."""
     try:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=dirfd)
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=dirfd)
+        except NotADirectoryError:
+            _link_on(dirfd, name)
+            raise
     except OSError as e:
         raise UnsafePath(f"{shown}: not used, {_why(e)}") from None
     if owners is not None:

@@ -58,7 +58,7 @@ def resolve(pid: int, names: set[str]) -> dict[str, int]:
         start = int(parts[0].split("-")[0], 16)
         offset = int(parts[2], 16)
         path = parts[5].strip()
-        ranges.setdefault(path, parts[0])
+        ranges.setdefault(path, "-".join(f"{int(x, 16):x}" for x in parts[0].split("-")))
         if path not in files:
             order.append(path)
             files[path] = start - offset if offset == 0 else files.get(path, start - offset)

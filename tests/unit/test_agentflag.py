@@ -8,7 +8,10 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from kvtrace.attach.agentflag import AgentFlag
+from kvtrace.host.confined import UnsafePath
 from kvtrace.hook import transport
 
 
@@ -115,3 +118,66 @@ def test_a_new_agent_removes_the_entries_of_agents_gone(tmp_path):
         for p in procs:
             p.kill()
             p.wait(10)
+
+
+# A hostile host: the flag directory and its entries are made or trusted only as root's, never
+# through a link; what another user or a container planted is refused and left as it was.
+
+def _snapshot(p) -> tuple:
+    st = os.lstat(p)
+    return st.st_mode, st.st_uid, st.st_gid, (open(p, "rb").read() if os.path.isfile(p) else sorted(os.listdir(p)))
+
+
+def test_a_link_planted_at_the_flag_directory_is_refused(tmp_path):
+    secret = tmp_path / "root-only"
+    secret.mkdir(mode=0o700)
+    os.chmod(secret, 0o700)
+    (tmp_path / "shm").mkdir()
+    (tmp_path / "shm" / "agents").symlink_to(secret)
+    before = _snapshot(secret)
+    with pytest.raises(UnsafePath, match=r"agents: not used, it is, or passes through, a symbolic link$"):
+        AgentFlag(str(tmp_path / "shm" / "agents")).__enter__()
+    assert _snapshot(secret) == before and oct(os.stat(secret).st_mode & 0o777) == "0o700"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to plant a directory as another uid")
+def test_a_flag_directory_another_user_made_is_refused_and_nothing_truncated(tmp_path):
+    victim = tmp_path / "shadow"
+    victim.write_text("root:secret\n")
+    os.chmod(victim, 0o600)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    os.chmod(shm, 0o1777)
+    planted = shm / "agents"
+    planted.mkdir()
+    os.symlink(victim, planted / f".{os.getpid()}.tmp")      # the entry's temporary name, linked to a root file
+    os.chown(planted, 65534, 65534)
+    before = _snapshot(victim), _snapshot(planted)
+    with pytest.raises(UnsafePath, match=r"agents: not used, it is owned by uid 65534, not by uid 0; remove it and try again$"):
+        AgentFlag(str(planted)).__enter__()
+    assert (_snapshot(victim), _snapshot(planted)) == before
+
+
+def test_a_fifo_at_the_flag_directory_is_refused_without_blocking(tmp_path):
+    (tmp_path / "shm").mkdir()
+    os.mkfifo(tmp_path / "shm" / "agents")
+    with pytest.raises(UnsafePath, match="agents: not used, a part of it is not a directory"):
+        AgentFlag(str(tmp_path / "shm" / "agents")).__enter__()
+
+
+def test_a_container_whose_dev_shm_links_to_the_host_is_not_flagged(tmp_path):
+    """Through /proc/PID/root the container's absolute link would land in the host's tree."""
+    host = tmp_path / "host-dir"
+    host.mkdir(mode=0o700)
+    os.chmod(host, 0o700)
+    (tmp_path / "shm").mkdir()
+    ctr = tmp_path / "ctr"
+    (ctr / "dev").mkdir(parents=True)
+    (ctr / "dev" / "shm").symlink_to(host)
+    before = _snapshot(host)
+    with AgentFlag(str(tmp_path / "shm" / "agents")) as flag:
+        flag.dir = "/dev/shm/kvtrace-agents"          # the in-container path, as attach uses it
+        with pytest.raises(UnsafePath, match=rf"^{ctr}/dev/shm: not used, it is, or passes through, a symbolic link$"):
+            flag.add_root(str(ctr))
+        assert len(flag.held) == 1
+    assert _snapshot(host) == before and oct(os.stat(host).st_mode & 0o777) == "0o700"
