@@ -145,6 +145,17 @@ def test_a_base_reached_through_a_link_is_refused_and_the_host_left_alone(tmp_pa
     assert _tree(host_dir) == before
 
 
+def test_a_link_on_the_way_is_refused(tmp_path):
+    host_dir = tmp_path / "host"
+    (host_dir / "tmp").mkdir(parents=True, mode=0o1777)
+    root = tmp_path / "ctr"
+    root.mkdir()
+    (root / "var").symlink_to(str(host_dir))
+    with pytest.raises(confined.UnsafePath, match=rf"^{root}/var/tmp: not used, it is, or passes through, a symbolic link$"):
+        stage.stage(os.getpid(), base="/var/tmp", root=str(root))
+    assert os.listdir(host_dir / "tmp") == []
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory to another uid")
 @pytest.mark.parametrize("mode,owner,ok", [(0o1777, 0, True), (0o777, 0, False), (0o755, 12345, False),
                                            (0o1777, 12345, False), (0o700, "target", True)])

@@ -1,0 +1,60 @@
+"""Planted regressions: each security fix taken out again, in a copy of the package, must make
+the tests that guard it fail.  A row names the file, the text the fix wrote, what stood (or
+would stand) without it, and the tests; a row whose text is no longer in the file fails too,
+so the table follows the code.  The copy is put first on PYTHONPATH for a child pytest."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ROOT = os.geteuid() == 0
+
+# (name, file under kvtrace/, fixed text, regressed text, test ids, needs root)
+REGRESSIONS = [
+    ("loader runs a changed hook file", "inject/loader.py",
+     "if hashlib.sha256(b).hexdigest() != d:", "if False:",
+     ["tests/unit/test_stage.py::test_a_changed_staged_file_never_runs"], False),
+    ("bootstrap runs a changed loader", "inject/loader.py",
+     "if h.sha256(b).hexdigest()==d else None", "if True else None",
+     ["tests/unit/test_stage.py::test_a_changed_loader_never_runs"], False),
+    ("paths resolved through links", "host/confined.py",
+     "_RESOLVE = 0x02 | 0x04 | 0x10", "_RESOLVE = 0x10",
+     ["tests/unit/test_stage.py::test_a_link_on_the_way_is_refused"], False),
+    ("a directory of another owner trusted", "host/confined.py",
+     "    if st.st_uid not in owners:", "    if False:",
+     ["tests/unit/test_stage.py::test_the_base_must_be_safe_from_other_users",
+      "tests/unit/test_agentflag.py::test_a_flag_directory_another_user_made_is_refused_and_nothing_truncated"], True),
+    ("a directory others can write trusted", "host/confined.py",
+     "    if loose and (private or not st.st_mode & stat.S_ISVTX):", "    if False:",
+     ["tests/unit/test_stage.py::test_the_base_must_be_safe_from_other_users"], True),
+    ("the walk follows links", "host/confined.py",
+     "                nxt = os.open(part, flags if last else _DIR_FLAGS, dir_fd=cur)",
+     "                nxt = os.open(part, (flags if last else _DIR_FLAGS) & ~os.O_NOFOLLOW, dir_fd=cur)",
+     ["tests/unit/test_stage.py::test_the_walk_without_openat2_refuses_links_and_dotdot"], False),
+    ("staged to a predictable shared name", "inject/stage.py",
+     'name = f"kvtrace-{secrets.token_hex(8)}"', 'name = "kvtrace-hook"',
+     ["tests/unit/test_stage.py::test_a_new_private_directory_for_each_injection_removed_at_the_end"], False),
+]
+
+
+@pytest.mark.parametrize("row", REGRESSIONS, ids=[r[0] for r in REGRESSIONS])
+def test_the_fix_taken_out_fails_its_tests(row, tmp_path):
+    name, rel, fixed, regressed, tests, needs_root = row
+    if needs_root and not ROOT:
+        pytest.skip("its tests need root")
+    shutil.copytree(REPO / "kvtrace", tmp_path / "kvtrace", ignore=shutil.ignore_patterns("__pycache__"))
+    path = tmp_path / "kvtrace" / rel
+    text = path.read_text()
+    assert text.count(fixed) == 1, f"{rel} no longer holds the fix this row names: {fixed!r}"
+    path.write_text(text.replace(fixed, regressed))
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "PYTHONDONTWRITEBYTECODE": "1"}
+    # -P and append: the repository goes after PYTHONPATH, so `import kvtrace` finds the copy
+    p = subprocess.run([sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=append", *tests],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 1, f"with the fix taken out the tests did not fail (exit {p.returncode}):\n{p.stdout[-3000:]}"
