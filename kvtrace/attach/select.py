@@ -2,6 +2,8 @@
 traced pid belongs to."""
 from __future__ import annotations
 
+import click
+
 from kvtrace.errors import TargetError, UsageError
 from kvtrace.attach.listing import render
 from kvtrace.vllm import discover as found
@@ -12,6 +14,7 @@ def choose_server(port: int | None, yes: bool):
     """The one vLLM server to trace when neither --pid nor a command is given."""
 
     servers = found.discover()
+    _warn_unreadable(servers)
     if port is not None:
         match = [s for s in servers if s.port == port]
         if len(match) == 1:
@@ -28,6 +31,12 @@ def choose_server(port: int | None, yes: bool):
     if len(servers) == 1:
         raise UsageError("found 1 server: pass --yes to attach to it, or pick it with --port PORT / --pid PID")
     raise UsageError(f"found {len(servers)} servers: pick one with --port PORT or --pid PID")
+
+
+def _warn_unreadable(servers) -> None:
+    """One line on stderr per process discovery could not inspect (it may be a server)."""
+    for u in getattr(servers, "unreadable", []):
+        click.echo(f"kvtrace: warning: {u.line()}", err=True)
 
 
 def server_of(pids) -> object | None:

@@ -3,20 +3,40 @@ that re-export them, base classes followed, nothing imported.  The hook's checks
 (kvtrace.hook.plan) run on it in vLLM's interpreter before patching and, from the agent, on the
 files of a server it found (through /proc/PID/root) or of a release that cannot run here.
 Standard library only.
+
+A tree under /proc/ (another process's files, seen from the agent: /proc/PID/root/…, or
+/proc/self/fd/N of a directory the agent resolved inside that root) is read confined: no link
+followed below the root (an absolute one would land in the agent's own tree), each file opened
+without blocking and read only if it is a regular file of at most SOURCE_LIMIT bytes.  A file
+that is not is raised as ``Unreadable``, naming it and why.
 """
 from __future__ import annotations
 
 import ast
+import errno
 import os
+import stat
 
 _FOLLOW = 6   # re-exports followed to find a class (vllm.x imports it from vllm.x.y ...)
+SOURCE_LIMIT = 4 << 20   # bytes of one source file of another process's tree
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
+
+
+class Unreadable(Exception):
+    """A file of a tree read confined that is not read: a link, a FIFO, a device, too large."""
+
+    def __init__(self, rel: str, why: str):
+        super().__init__(f"{rel}: not read, {why}")
+        self.rel, self.why = rel, why
 
 
 class SourceTree:
     """The package (vLLM's, or SGLang's) under ``root`` (the directory that holds ``vllm/``)."""
 
-    def __init__(self, root: str, package: str = "vllm"):
+    def __init__(self, root: str, package: str = "vllm", confined: bool | None = None):
         self.root, self.package = root, package
+        self.confined = root.startswith("/proc/") if confined is None else confined
         self._mods: dict[str, ast.Module | None] = {}
         self.files: dict[str, list[int]] = {}   # each file read: [size, mtime_ns], by path under root
 
@@ -36,18 +56,23 @@ class SourceTree:
     def path(self, module: str) -> str | None:
         base = os.path.join(self.root, *module.split("."))
         for p in (base + ".py", os.path.join(base, "__init__.py")):
-            if os.path.isfile(p):
+            if self._isfile(p):
                 return p
         return None
+
+    def _isfile(self, p: str) -> bool:
+        if not self.confined:
+            return os.path.isfile(p)
+        st = self._lstat(os.path.relpath(p, self.root))
+        return st is not None and not stat.S_ISDIR(st.st_mode)   # a link or FIFO: refused when read
 
     def module(self, module: str) -> ast.Module | None:
         """The parsed module, or None when the tree has no such file (or it does not parse)."""
         if module not in self._mods:
             p = self.path(module)
             try:
-                with open(p, "rb") as f:
-                    st = os.fstat(f.fileno())
-                    self._mods[module] = ast.parse(f.read(), p)
+                data, st = self._read(p)
+                self._mods[module] = ast.parse(data, p)
                 self.files[os.path.relpath(p, self.root)] = [st.st_size, st.st_mtime_ns]
             except (TypeError, OSError, SyntaxError, ValueError):
                 self._mods[module] = None
@@ -57,12 +82,67 @@ class SourceTree:
         """True when each of these files (as ``files`` recorded them) is still the same here."""
         try:
             for rel, (size, mtime) in files.items():
-                st = os.stat(os.path.join(self.root, rel))
-                if (st.st_size, st.st_mtime_ns) != (size, mtime):
+                st = self._lstat(rel) if self.confined else os.stat(os.path.join(self.root, rel))
+                if st is None or not stat.S_ISREG(st.st_mode) or (st.st_size, st.st_mtime_ns) != (size, mtime):
                     return False
-        except (OSError, TypeError, ValueError):
+        except (OSError, TypeError, ValueError, Unreadable):
             return False
         return bool(files)
+
+    # -- reading, confined under /proc/ ----------------------------------------------------------
+
+    def _read(self, p: str) -> tuple[bytes, os.stat_result]:
+        if not self.confined:
+            with open(p, "rb") as f:
+                return f.read(), os.fstat(f.fileno())
+        rel = os.path.relpath(p, self.root)
+        dfd, name = self._parent(rel)
+        try:
+            fd = os.open(name, _READ, dir_fd=dfd)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise Unreadable(rel, "it is a symbolic link (not followed)") from None
+            raise
+        finally:
+            os.close(dfd)
+        try:
+            return _regular(fd, rel), os.fstat(fd)
+        finally:
+            os.close(fd)
+
+    def _parent(self, rel: str) -> tuple[int, str]:
+        """(fd of rel's directory, its last name), reached from the root through no link."""
+        *dirs, name = [p for p in rel.split("/") if p not in ("", ".")] or [""]
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for d in dirs:
+                if d == "..":
+                    raise Unreadable(rel, "it leads out of the tree")
+                try:
+                    nxt = os.open(d, _DIR, dir_fd=fd)
+                except NotADirectoryError:
+                    if stat.S_ISLNK(os.stat(d, dir_fd=fd, follow_symlinks=False).st_mode):
+                        raise Unreadable(rel, f"{d} is a symbolic link (not followed)") from None
+                    raise
+                os.close(fd)
+                fd = nxt
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, name
+
+    def _lstat(self, rel: str) -> os.stat_result | None:
+        """The file itself (a link not followed), or None when it is not there."""
+        try:
+            fd, name = self._parent(rel)
+        except OSError:
+            return None
+        try:
+            return os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
 
     def version(self) -> str | None:
         """PACKAGE/_version.py's __version__ (or version), as the wheel wrote it."""
@@ -142,6 +222,19 @@ class SourceTree:
             return node if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else None
         cls = self.find_class(module, head)
         return own_method(cls[1], attr) if cls else None
+
+
+def _regular(fd: int, rel: str) -> bytes:
+    """The bytes of an open file if it is a regular file of at most SOURCE_LIMIT bytes."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise Unreadable(rel, "it is not a regular file")
+    out = bytearray()
+    while len(out) <= SOURCE_LIMIT:
+        b = os.read(fd, min(1 << 20, SOURCE_LIMIT + 1 - len(out)))
+        if not b:
+            return bytes(out)
+        out += b
+    raise Unreadable(rel, f"it is larger than {SOURCE_LIMIT} bytes")
 
 
 def own_method(cls: ast.ClassDef, name: str):

@@ -9,6 +9,10 @@ Resolution uses openat2(2) with RESOLVE_IN_ROOT|RESOLVE_NO_SYMLINKS|RESOLVE_NO_M
 on a kernel without it (before 5.6), a walk that opens one component at a time with
 O_NOFOLLOW and refuses "..", which gives the same answer.  Nothing here falls back to
 following a link: an act that cannot be confined raises ``UnsafePath`` naming the path and why.
+Where a tree's own directory links must be followed (a venv's lib64 -> lib, a container's
+/usr/lib/python3 links), ``resolve_dir`` follows them as that root's processes would and
+never out of it (RESOLVE_IN_ROOT without RESOLVE_NO_SYMLINKS; the walk reads each link's
+target and resolves it from the held root); the files then read there are still no link.
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ import stat
 from kvtrace.errors import KvtraceError
 
 _RESOLVE = 0x02 | 0x04 | 0x10          # NO_MAGICLINKS | NO_SYMLINKS | IN_ROOT
+_RESOLVE_LINKS = 0x02 | 0x10           # NO_MAGICLINKS | IN_ROOT: links followed, inside the root only
+MAX_LINKS = 40                         # links followed in one resolution, the kernel's own bound
 _SYS_OPENAT2 = 437                     # x86_64 and aarch64 alike
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
@@ -42,8 +48,8 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _openat2_ok: bool | None = None
 
 
-def _openat2(dirfd: int, path: str, flags: int) -> int:
-    how = _OpenHow(flags, 0, _RESOLVE)
+def _openat2(dirfd: int, path: str, flags: int, resolve: int = _RESOLVE) -> int:
+    how = _OpenHow(flags, 0, resolve)
     fd = _libc.syscall(_SYS_OPENAT2, dirfd, os.fsencode(path), ctypes.byref(how), ctypes.sizeof(how))
     if fd < 0:
         e = ctypes.get_errno()
@@ -105,6 +111,55 @@ def _link_on(dirfd: int, path: str) -> None:
             raise OSError(errno.ELOOP, "a symbolic link", path)
 
 
+def resolve_dir(dirfd: int, path: str) -> int:
+    """An fd of the directory ``path`` with ``dirfd`` as its root, following links as a process
+    rooted there would, but never out of it: an absolute link starts again from ``dirfd``, ".."
+    stops there, no /proc magic link, at most MAX_LINKS links (openat2 RESOLVE_IN_ROOT).
+    Raises OSError."""
+    global _openat2_ok
+    if _openat2_ok is not False:
+        try:
+            return _openat2(dirfd, path.lstrip("/") or ".", _DIR_FLAGS & ~os.O_NOFOLLOW, _RESOLVE_LINKS)
+        except OSError as e:
+            if e.errno not in (errno.ENOSYS, errno.EAGAIN):   # EAGAIN: a rename raced a ".."
+                raise
+            if e.errno == errno.ENOSYS:
+                _openat2_ok = False
+    return _walk_in_root(dirfd, path)
+
+
+def _parts(path: str) -> list[str]:
+    return [p for p in path.split("/") if p not in ("", ".")]
+
+
+def _walk_in_root(dirfd: int, path: str) -> int:
+    """resolve_dir without openat2: one component at a time from dirfd, each opened with
+    O_NOFOLLOW; a link's target (read, never followed by the kernel) is put in its place, an
+    absolute one from dirfd; ".." pops to the directory held before, never above dirfd."""
+    stack, todo, links = [os.dup(dirfd)], _parts(path)[::-1], 0
+    try:
+        while todo:
+            part = todo.pop()
+            if part == "..":
+                if len(stack) > 1:
+                    os.close(stack.pop())
+                continue
+            if not stat.S_ISLNK(os.stat(part, dir_fd=stack[-1], follow_symlinks=False).st_mode):
+                stack.append(os.open(part, _DIR_FLAGS, dir_fd=stack[-1]))
+                continue
+            links += 1
+            if links > MAX_LINKS:
+                raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
+            target = os.readlink(part, dir_fd=stack[-1])
+            while target.startswith("/") and len(stack) > 1:
+                os.close(stack.pop())
+            todo += _parts(target)[::-1]
+        return stack.pop()
+    finally:
+        for fd in stack:
+            os.close(fd)
+
+
 def _why(e: OSError) -> str:
     if e.errno == errno.ELOOP:
         return "it is, or passes through, a symbolic link"
@@ -138,11 +193,12 @@ class Root:
             os.close(self.fd)
             self.fd = -1
 
-    def opendir(self, path: str, owners: set[int] | None = None) -> int:
-        """An fd of the directory ``path`` in this root, reached through no link; with
-        ``owners``, it must be owned by one of them and writable by no one else unless sticky."""
+    def opendir(self, path: str, owners: set[int] | None = None, follow_links: bool = False) -> int:
+        """An fd of the directory ``path`` in this root, reached through no link (``follow_links``:
+        through links resolved inside this root only, as ``resolve_dir``); with ``owners``, it
+        must be owned by one of them and writable by no one else unless sticky."""
         try:
-            fd = open_beneath(self.fd, path, _DIR_FLAGS)
+            fd = resolve_dir(self.fd, path) if follow_links else open_beneath(self.fd, path, _DIR_FLAGS)
         except OSError as e:
             raise UnsafePath(f"{self.show(path)}: not used, {_why(e)}") from None
         if owners is not None:
@@ -227,10 +283,11 @@ def write_exclusive(dirfd: int, name: str, data: bytes, mode: int = 0o644, uid: 
 
 
 def read_regular(dirfd: int | None, path: str, limit: int = READ_LIMIT, shown: str = "",
-                 follow: bool = False) -> bytes:
+                 follow: bool = False, head: bool = False) -> bytes:
     """The bytes of a regular file, opened without blocking and without following a link in
     its last component (``follow``: for the kernel's own links, /proc/PID/map_files/…); a
-    FIFO, device, socket, link or a file over ``limit`` bytes raises."""
+    FIFO, device, socket, link or a file over ``limit`` bytes raises (``head``: a larger file
+    gives its first ``limit`` bytes)."""
     try:
         fd = os.open(path, READ_FLAGS & ~os.O_NOFOLLOW if follow else READ_FLAGS, dir_fd=dirfd)
     except OSError as e:
@@ -245,6 +302,8 @@ def read_regular(dirfd: int | None, path: str, limit: int = READ_LIMIT, shown: s
             if not b:
                 return bytes(out)
             out += b
+        if head:
+            return bytes(out[:limit])
         raise UnsafePath(f"{shown or path}: not read, it is larger than {limit} bytes")
     finally:
         os.close(fd)

@@ -7,21 +7,30 @@ sets (``VLLM::EngineCore*``, ``VLLM::Worker*``; the prefix follows ``VLLM_PROCES
 from the API server's environment), because their own argv and environ are overwritten.
 
 Files of the server's Python environment (pyvenv.cfg, site-packages, dist-info) are read
-through ``/proc/PID/root`` so a server in a container is described from its own filesystem.
-Everything is best effort: a field that cannot be read is None, never an exception.
+through ``/proc/PID/root`` so a server in a container is described from its own filesystem,
+confined to it (kvtrace.vllm.pyenv._Fs: no link out of it, no FIFO or device, a size cap).
+Everything else is best effort: a field that cannot be read is None.  Each process is inspected
+on a worker thread within DEADLINE_S (reading /proc/PID/cmdline or environ waits for the
+process's memory map lock, which a stalled page fault can hold for ever): one that does not
+answer in time, or whose files are unsafe, is listed as unreadable and discovery goes on.
 """
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import json
 import os
+import queue
 import re
+import threading
+import time
 from dataclasses import asdict, dataclass, field
 
 import psutil
 
 from kvtrace import phases
 from kvtrace.host import netns
+from kvtrace.host.confined import UnsafePath
 # Re-exported: reading the server's Python environment lives in its own module.
 from kvtrace.vllm.pyenv import (PLUGIN_GROUP, PLUGIN_NAME, _dist_infos, _Fs, _mapped_paths,  # noqa: F401
                                 _python_version, _resolve_arg0, _site_candidates, _vllm_version, plugin_installed)
@@ -30,6 +39,8 @@ DEFAULT_PORT = 8000
 DEFAULT_KV_ENDPOINT = "tcp://*:5557"
 _PY_RE = re.compile(r"^python(\d(\.\d+)?)?[a-z]?$")
 _SERVER_MODULES = ("vllm.entrypoints.openai.api_server", "vllm.entrypoints.api_server")
+DEADLINE_S = 2.0   # one process's inspection: its /proc entries and its environment's files
+WORKERS = 4        # processes inspected at once (a stalled one holds its thread, not discovery)
 
 
 @dataclass
@@ -298,7 +309,8 @@ def _environ(proc: psutil.Process) -> dict:
 
 
 def describe(proc: psutil.Process) -> VllmServerInfo | None:
-    """Describe one process if it is a vLLM server, else None."""
+    """Describe one process if it is a vLLM server, else None.  Raises UnsafePath when a file
+    of its environment is not safe to read."""
     try:
         cmdline = proc.cmdline()
         kind = server_kind(cmdline)
@@ -353,8 +365,13 @@ def environment(proc: psutil.Process, cmdline: list[str], env: dict, package: st
     """The server's Python environment, read through /proc/PID/root: its interpreter ("exe",
     "python": X.Y.Z), the site-packages holding ``package`` ("site") and its "version", whether
     kvtrace's plugin is installed for entry-point ``group`` ("plugin": "installed", "absent",
-    "unknown"), and whether it runs in a container ("container")."""
-    fs = _Fs(proc.pid)
+    "unknown"), and whether it runs in a container ("container").  Raises UnsafePath when one of
+    those files is not safe to read."""
+    with _Fs(proc.pid) as fs:
+        return _environment(fs, proc, cmdline, env, package, group)
+
+
+def _environment(fs: _Fs, proc: psutil.Process, cmdline: list[str], env: dict, package: str, group: str) -> dict:
     try:
         exe = os.readlink(f"/proc/{proc.pid}/exe").removesuffix(" (deleted)")
     except OSError:
@@ -390,21 +407,109 @@ def environment(proc: psutil.Process, cmdline: list[str], env: dict, package: st
     return {"exe": exe, "python": pyver, "site": site, "version": vver, "plugin": plugin, "container": fs.container}
 
 
-def discover() -> list[VllmServerInfo]:
-    """Every vLLM and SGLang server on this host (in any container whose /proc is visible), by API-server pid."""
-    from kvtrace.vllm.sglang_discover import describe as describe_sglang  # lazy: that module builds on this one
+@dataclass
+class Unreadable:
+    """A process discovery could not inspect: its reads did not return within DEADLINE_S, or a
+    file of its environment is not safe to read (a FIFO, a device, a link, too large)."""
+
+    pid: int
+    reason: str
+
+    def line(self) -> str:
+        return f"pid {self.pid}: unreadable ({self.reason})"
+
+    def to_json(self) -> dict:
+        return {"pid": self.pid, "port": None, "unreadable": self.reason}
+
+
+class Servers(list):
+    """discover()'s answer: the servers, by API-server pid; ``unreadable``: the processes that
+    could not be inspected (Unreadable, by pid)."""
+
+    def __init__(self, servers=(), unreadable=()):
+        super().__init__(servers)
+        self.unreadable = list(unreadable)
+
+
+class _Pool:
+    """``fn`` on each process on daemon threads, each call within ``deadline`` seconds: a call
+    that overruns is given up (its thread left to return or hang alone) and a new thread takes
+    its place, so a stalled process never holds up the others."""
+
+    def __init__(self, fn, procs: list, deadline: float, workers: int):
+        self.fn, self.deadline, self.ids = fn, deadline, itertools.count()
+        self.todo, self.done = queue.SimpleQueue(), queue.SimpleQueue()
+        self.running: dict[int, tuple] = {}   # thread number -> (proc, started)
+        self.lock = threading.Lock()
+        self.pending = {p.pid for p in procs}
+        for p in procs:
+            self.todo.put(p)
+        for _ in range(min(workers, len(procs))):
+            self._spawn()
+
+    def _spawn(self) -> None:
+        n = next(self.ids)
+        threading.Thread(target=self._work, args=(n,), name=f"kvtrace-discover-{n}", daemon=True).start()
+
+    def _work(self, n: int) -> None:
+        while True:
+            try:
+                proc = self.todo.get_nowait()
+            except queue.Empty:
+                return
+            with self.lock:
+                self.running[n] = (proc, time.monotonic())
+            try:
+                out = (proc, self.fn(proc), None)
+            except UnsafePath as e:
+                out = (proc, None, str(e))
+            except Exception as e:   # one odd process must not end discovery: it is listed with why
+                out = (proc, None, f"{type(e).__name__}: {e}")
+            with self.lock:
+                self.running.pop(n, None)
+            self.done.put(out)
+
+    def results(self):
+        """(proc, fn's answer, None) or (proc, None, why it was not read), as they come."""
+        while self.pending:
+            try:
+                proc, out, why = self.done.get(timeout=0.05)
+                if proc.pid in self.pending:
+                    self.pending.discard(proc.pid)
+                    yield proc, out, why
+            except queue.Empty:
+                pass
+            for proc in self._overdue():
+                self.pending.discard(proc.pid)
+                self._spawn()
+                yield proc, None, (f"not read within {self.deadline:g} s: a read of its /proc files "
+                                   "or of its environment's files did not return")
+
+    def _overdue(self) -> list:
+        now = time.monotonic()
+        with self.lock:
+            return [p for p, t0 in self.running.values() if now - t0 > self.deadline and p.pid in self.pending]
+
+
+def discover() -> Servers:
+    """Every vLLM and SGLang server on this host (in any container whose /proc is visible), by
+    API-server pid, and the processes that could not be inspected (``.unreadable``)."""
+    from kvtrace.vllm import sglang_discover  # lazy: that module builds on this one
 
     phases.mark("discover_start")
-    found = []
     me = os.getpid()
-    for proc in psutil.process_iter():
-        if proc.pid == me:
-            continue
-        info = describe(proc) or describe_sglang(proc)
-        if info is not None:
+    procs = [p for p in psutil.process_iter() if p.pid != me]
+    found, unreadable = [], []
+    pool = _Pool(lambda p: describe(p) or sglang_discover.describe(p), procs, DEADLINE_S, WORKERS)
+    for proc, info, why in pool.results():
+        if why is not None:
+            unreadable.append(Unreadable(proc.pid, why))
+        elif info is not None:
             found.append(info)
     # A spawned API-server child (VLLM::APIServer_<i>) keeps no vllm argv, so no duplicates
     # arise there; but a `vllm serve` started by another vllm process would: keep the outermost.
     inner = {p for s in found for p in s.api_pids[1:] + s.engine_pids + s.worker_pids + s.other_pids}
+    mine = inner | {p for s in found for p in s.api_pids}
     phases.mark("discover_end")
-    return sorted((s for s in found if s.pid not in inner), key=lambda s: s.pid)
+    return Servers(sorted((s for s in found if s.pid not in inner), key=lambda s: s.pid),
+                   sorted((u for u in unreadable if u.pid not in mine), key=lambda u: u.pid))

@@ -1,28 +1,58 @@
 """Whether the hook supports a vLLM (or SGLang) server that discovery found, read from outside: its vLLM
 source files, through /proc/PID/root (a container's own filesystem), checked target by target
-(kvtrace.hook.support).  Nothing is imported or injected; about 0.3 s a server."""
+(kvtrace.hook.support).  Nothing is imported or injected; about 0.3 s a server.
+
+The site-packages directory is resolved inside the server's root (kvtrace.host.confined) and
+its source read from that descriptor (/proc/self/fd/N), confined (kvtrace.hook.source): no
+link below it is followed, no FIFO or device read, no file over 4 MiB.  A file that cannot be
+read so gives a verdict that refuses the hook, naming the file and why."""
 from __future__ import annotations
 
+import os
+
 from kvtrace.hook import support
-from kvtrace.hook.source import SourceTree
+from kvtrace.hook.source import SourceTree, Unreadable
+from kvtrace.host.confined import UnsafePath
 from kvtrace.vllm.pyenv import _Fs
 
 _CACHE: dict[str, dict] = {}
 
 
 def verdict(info) -> dict | None:
-    """kvtrace.hook.support.check of the server's vLLM, or None when its files cannot be read."""
+    """kvtrace.hook.support.check of the server's vLLM, or None when its files cannot be read
+    (a refusal naming the file when one is unsafe to read)."""
     if not info.site_packages:
         return None
-    root = str(_Fs(info.pid).p(info.site_packages))
     engine = getattr(info, "engine", "vllm")
-    key = f"{engine}:{root}"
+    with _Fs(info.pid) as fs:
+        shown = fs.show(info.site_packages)
+        try:
+            fd = fs.opendir(info.site_packages)
+        except UnsafePath as e:
+            return _unreadable(engine, shown, str(e))
+        if fd is None:
+            return None
+        try:
+            return _checked(f"{engine}:{shown}", f"/proc/self/fd/{fd}", engine, shown)
+        except Unreadable as e:
+            return _unreadable(engine, shown, f"{shown}/{e}")
+        finally:
+            os.close(fd)
+
+
+def _checked(key: str, root: str, engine: str, shown: str) -> dict | None:
     if key not in _CACHE or not SourceTree(root).unchanged(_CACHE[key]["files"]):
         v = support.check(root, engine)
         if v["version"] is None and not v["files"]:
             return None
-        _CACHE[key] = v
+        _CACHE[key] = {**v, "root": shown}
     return _CACHE[key]
+
+
+def _unreadable(engine: str, shown: str, why: str) -> dict:
+    """A verdict that refuses the hook because the engine's files are not safe to read."""
+    return {"version": None, "root": shown, "supported": False, "roles": {"engine": [why], "worker": [why]},
+            "connector": [why], "releases": {}, "files": {}, "engine": engine, "unreadable": why}
 
 
 def label(v: dict | None) -> str:

@@ -2,53 +2,133 @@
 container's own filesystem): where its site-packages are, its Python and vLLM versions, and
 whether the kvtrace plugin is installed there.
 
+Every file is read confined (``_Fs``): a FIFO, device, link or oversized file where a
+pyvenv.cfg, METADATA, entry_points.txt or RECORD should be raises UnsafePath (discovery then
+lists the process as unreadable), and no link leads out of the server's root.
+
 Split from kvtrace.vllm.discover, which re-exports every name here.
 """
 from __future__ import annotations
 
 import configparser
+import errno
 import os
 import re
 from pathlib import Path
 
+from kvtrace.host import confined
+
 PLUGIN_GROUP = "vllm.general_plugins"
 PLUGIN_NAME = "kvtrace"
+READ_LIMIT = 1 << 20          # a config, a dist-info's small files, a _version.py
+METADATA_LIMIT = 4 << 20      # METADATA / PKG-INFO (the long description is in it)
+RECORD_LIMIT = 16 << 20       # RECORD: a line per installed file
+CFG_LIMIT = 64 << 10          # pyvenv.cfg
+BINARY_HEAD = 64 << 20        # the part of the interpreter's binary searched for its version
+_ABSENT = (errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM)
 
 
 class _Fs:
-    """Paths of one process's mount namespace."""
+    """Paths of one process's mount namespace, read confined (kvtrace.host.confined): beneath
+    /proc/PID/root held open, directory links followed only inside it, and every file read a
+    regular file (no link, FIFO or device), opened without blocking, of at most a set size.
+    A file that is absent (or not ours to read) is None; one that is unsafe raises UnsafePath.
+    Close it (or use it as a context manager)."""
 
     def __init__(self, pid: int):
         self.root = f"/proc/{pid}/root"
         try:
-            self.usable = os.path.isdir(self.root + "/")
-            self.container = self.usable and os.stat(self.root + "/") != os.stat("/")
-        except OSError:
-            self.usable, self.container = False, False
+            self._root = confined.Root(self.root)
+            self.usable = True
+            theirs, ours = os.fstat(self._root.fd), os.stat("/")
+            self.container = (theirs.st_dev, theirs.st_ino) != (ours.st_dev, ours.st_ino)
+        except (confined.UnsafePath, OSError):
+            self._root, self.usable, self.container = confined.Root("/"), False, False
+
+    def __enter__(self) -> "_Fs":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if getattr(self, "_root", None) is not None:
+            self._root.close()
+
+    def show(self, path: str) -> str:
+        """The path as read from here: /proc/PID/root/… (or itself where that cannot be used)."""
+        return self._root.show(_abs(path))
 
     def p(self, path: str) -> Path:
-        if not path.startswith("/"):
-            path = "/" + path
-        return Path((self.root if self.usable else "") + path)
+        return Path(self.show(path))
+
+    def opendir(self, path: str) -> int | None:
+        """An fd of the directory (links followed inside the root only); None when absent."""
+        try:
+            return self._root.opendir(_abs(path), follow_links=True)
+        except confined.UnsafePath as e:
+            if _absent(e):
+                return None
+            raise
 
     def exists(self, path: str) -> bool:
+        head, name = os.path.split(_abs(path))
+        fd = self.opendir(head)
+        if fd is None:
+            return False
         try:
-            return self.p(path).exists()
+            if name:
+                os.stat(name, dir_fd=fd, follow_symlinks=False)
+            return True
         except OSError:
             return False
+        finally:
+            os.close(fd)
 
-    def read(self, path: str, limit: int = 1 << 20) -> str | None:
-        try:
-            with open(self.p(path), "rb") as f:
-                return f.read(limit).decode("utf-8", "replace")
-        except OSError:
+    def read_bytes(self, path: str, limit: int = READ_LIMIT, head: bool = False) -> bytes | None:
+        """The file's bytes; None when absent; UnsafePath when it is not a regular file or is
+        over ``limit`` bytes (``head``: its first ``limit`` bytes)."""
+        d, name = os.path.split(_abs(path))
+        fd = self.opendir(d)
+        if fd is None:
             return None
+        try:
+            return confined.read_regular(fd, name, limit, shown=self.show(path), head=head)
+        except confined.UnsafePath as e:
+            if _absent(e):
+                return None
+            raise
+        finally:
+            os.close(fd)
+
+    def read(self, path: str, limit: int = READ_LIMIT) -> str | None:
+        data = self.read_bytes(path, limit)
+        return None if data is None else data.decode("utf-8", "replace")
 
     def listdir(self, path: str) -> list[str]:
+        fd = self.opendir(path)
+        if fd is None:
+            return []
         try:
-            return sorted(os.listdir(self.p(path)))
+            return sorted(os.listdir(fd))
         except OSError:
             return []
+        finally:
+            os.close(fd)
+
+
+def _abs(path: str) -> str:
+    return path if path.startswith("/") else "/" + path
+
+
+def _absent(e: confined.UnsafePath) -> bool:
+    """True when a refusal only says the file is not there (or not ours to read), not that it
+    is unsafe: the OSError it was raised from."""
+    cause = e.__context__
+    return isinstance(cause, OSError) and cause.errno in _ABSENT
 
 
 def _mapped_paths(pid: int) -> list[str]:
@@ -119,7 +199,7 @@ def _python_version(fs: _Fs, pid: int, exe: str | None, venv: str | None, site: 
             xy = hit.group(1)
             break
     if venv:
-        cfg = fs.read(f"{venv}/pyvenv.cfg") or ""
+        cfg = fs.read(f"{venv}/pyvenv.cfg", CFG_LIMIT) or ""
         hit = re.search(r"^\s*version(?:_info)?\s*=\s*(\d+\.\d+\.\d+\S*)", cfg, re.M)
         if hit:
             return hit.group(1)
@@ -135,11 +215,7 @@ def _python_version(fs: _Fs, pid: int, exe: str | None, venv: str | None, site: 
         for binary in [exe] + [m for m in _mapped_paths(pid) if "libpython" in m]:
             if not binary:
                 continue
-            try:
-                with open(fs.p(binary), "rb") as f:
-                    data = f.read(64 << 20)
-            except OSError:
-                continue
+            data = fs.read_bytes(binary, BINARY_HEAD, head=True) or b""
             found = [m.group(1).decode() for m in pat.finditer(data)]
             if found:
                 return max(set(found), key=found.count)
@@ -156,9 +232,9 @@ def _vllm_version(fs: _Fs, site: str, package: str = "vllm") -> str | None:
         if not re.match(rf"^{package}([_-][a-z0-9]+)?-\d", d):
             continue
         top = fs.read(f"{site}/{d}/top_level.txt")
-        record = None if top else fs.read(f"{site}/{d}/RECORD", limit=1 << 16)
+        record = None if top else fs.read(f"{site}/{d}/RECORD", RECORD_LIMIT)
         if (top and package in top.split()) or (record and f"{package}/__init__.py" in record) or (not top and not record):
-            meta = fs.read(f"{site}/{d}/METADATA", limit=1 << 16) or fs.read(f"{site}/{d}/PKG-INFO", limit=1 << 16) or ""
+            meta = fs.read(f"{site}/{d}/METADATA", METADATA_LIMIT) or fs.read(f"{site}/{d}/PKG-INFO", METADATA_LIMIT) or ""
             hit = re.search(r"^Version:\s*(\S+)", meta, re.M)
             if hit:
                 return hit.group(1)
@@ -178,7 +254,7 @@ def plugin_installed(fs: _Fs, sites: list[str], group: str = PLUGIN_GROUP) -> bo
     (vllm.general_plugins; sglang.srt.plugins for SGLang)."""
     for site in sites:
         for d in _dist_infos(fs, site):
-            text = fs.read(f"{site}/{d}/entry_points.txt", limit=1 << 16)
+            text = fs.read(f"{site}/{d}/entry_points.txt")
             if not text or group not in text:
                 continue
             cp = configparser.ConfigParser(delimiters=("=",), interpolation=None, strict=False)

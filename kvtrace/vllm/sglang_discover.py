@@ -6,7 +6,8 @@ A process is an SGLang server when it is a Python interpreter running ``-m sglan
 scheduler (where the hook goes: it runs the radix cache and the model) is found below it by the
 title SGLang sets (``sglang::scheduler``, with a ``_DP<i>_TP<j>`` suffix when parallel).
 Reported as kvtrace.vllm.discover.VllmServerInfo (whose discover() lists both engines) with ``engine="sglang"``: the scheduler in
-``engine_pids``, no workers.  Best effort, never an exception.
+``engine_pids``, no workers.  Best effort; its files are read confined, as for vLLM (an unsafe
+one raises UnsafePath, and discovery lists the process as unreadable).
 """
 from __future__ import annotations
 
@@ -75,7 +76,8 @@ def kv_events_from_args(cmdline: list[str]) -> KvEventsInfo | None:
 
 
 def describe(proc: psutil.Process) -> VllmServerInfo | None:
-    """Describe one process if it is an SGLang server, else None."""
+    """Describe one process if it is an SGLang server, else None.  Raises UnsafePath when a file
+    of its environment is not safe to read."""
     try:
         cmdline = proc.cmdline()
         if server_kind(cmdline) is None:

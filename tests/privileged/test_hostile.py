@@ -117,8 +117,16 @@ def container(tmp_path):
     pid = _child(p.pid)
     before = [_tree(v) for v in victims]
     yield pid, victims, before
+    _end(p, pid)
+
+
+def _end(p: subprocess.Popen, pid: int) -> None:
+    """The chrooted process first: killing unshare alone would leave it running."""
+    try:
+        os.kill(pid, 9)
+    except ProcessLookupError:
+        pass
     p.kill()
-    subprocess.run(["pkill", "-9", "-P", str(p.pid)], check=False)
     p.wait()
 
 
@@ -161,13 +169,11 @@ def test_a_container_with_its_own_tmp_gets_the_hook_and_keeps_nothing(tmp_path):
         (root / link).symlink_to(f"usr/{link}")
     inner = f"mount --bind -o ro /usr {root}/usr && exec chroot {root} /usr/bin/python3 -c '{SLEEPER}'"
     p = _started(["unshare", "--mount", "--propagation", "private", "--fork", "sh", "-c", inner])
+    pid = _child(p.pid)
     try:
-        pid = _child(p.pid)
         rep = injector.hook(pid, "install", timeout=20)
         assert "error" not in rep and rep["hook_file"].startswith("/tmp/kvtrace-"), rep
         assert rep["status"]["reason"] == "no role in process 'MainProcess'"
         assert os.listdir(root / "tmp") == []
     finally:
-        p.kill()
-        subprocess.run(["pkill", "-9", "-P", str(p.pid)], check=False)
-        p.wait()
+        _end(p, pid)
