@@ -40,6 +40,25 @@ REGRESSIONS = [
     ("staged to a predictable shared name", "inject/stage.py",
      'name = f"kvtrace-{secrets.token_hex(8)}"', 'name = "kvtrace-hook"',
      ["tests/unit/test_stage.py::test_a_new_private_directory_for_each_injection_removed_at_the_end"], False),
+    ("the engine's source read through links and FIFOs", "hook/source.py",
+     'self.confined = root.startswith("/proc/") if confined is None else confined', "self.confined = False",
+     ["tests/unit/test_discover_hostile.py::test_the_agent_side_source_check_refuses_a_fifo_or_link_at_once"], False),
+    ("discovery waits on every process in turn", "vllm/discover.py",
+     """    pool = _Pool(lambda p: describe(p) or sglang_discover.describe(p), procs, DEADLINE_S, WORKERS)
+    for proc, info, why in pool.results():
+        if why is not None:
+            unreadable.append(Unreadable(proc.pid, why))
+        elif info is not None:
+            found.append(info)""",
+     """    for proc in procs:
+        info = describe(proc) or sglang_discover.describe(proc)
+        if info is not None:
+            found.append(info)""",
+     ["tests/unit/test_discover_hostile.py::test_a_process_whose_reads_never_return_is_given_up_and_the_rest_found"],
+     False),
+    ("directory links followed out of the root by the walk", "host/confined.py",
+     "    return _walk_in_root(dirfd, path)", "    return _walk(dirfd, path, _DIR_FLAGS & ~os.O_NOFOLLOW)",
+     ["tests/unit/test_discover_hostile.py::test_directory_links_resolve_inside_the_root_only"], False),
 ]
 
 
