@@ -193,3 +193,52 @@ def _tree(d) -> list:
             st = os.lstat(p)
             out.append((p, st.st_mode, st.st_uid, st.st_gid, open(p, "rb").read() if os.path.isfile(p) else None))
     return out
+
+
+def _hook_imports(rel: str) -> set[str]:
+    """The kvtrace modules one hook file imports (relative, absolute and importlib by name)."""
+    import ast
+
+    tree = ast.parse((stage.package_dir() / rel).read_text())
+    pkg = stage.module_name(rel).rsplit(".", 1)[0] if not rel.endswith("__init__.py") else stage.module_name(rel)
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            if base.startswith("kvtrace"):
+                out.add(base)
+                out.update(f"{base}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("kvtrace"))
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module" and node.args:
+            arg = node.args[0]
+            if isinstance(arg, ast.BinOp) and isinstance(arg.right, ast.Constant):   # _PKG + ".state"
+                out.add("kvtrace.hook" + arg.right.value)
+    return {m for m in out if _module_file(m)} | {"kvtrace", "kvtrace.hook"}
+
+
+def _module_file(m: str) -> str | None:
+    base = m.removeprefix("kvtrace").lstrip(".").replace(".", "/")
+    for rel in ([base + ".py", base + "/__init__.py"] if base else ["__init__.py"]):
+        if (stage.package_dir() / rel).is_file():
+            return rel
+    return None
+
+
+def test_the_staged_files_are_exactly_what_the_hooks_import():
+    """Staged: the closure of vllm_hook's and sglang_hook's kvtrace imports, no more, no less."""
+    want, todo = set(), ["kvtrace.hook.vllm_hook", "kvtrace.hook.sglang_hook"]
+    files = {stage.module_name(r): r for r in stage.HOOK_FILES}
+    while todo:
+        m = todo.pop()
+        if m in want:
+            continue
+        want.add(m)
+        rel = files.get(m) or _module_file(m)
+        assert rel is not None, f"{m} is imported by the hook but is not a module"
+        todo.extend(_hook_imports(rel) - want)
+    assert want == set(files), (f"staged but not imported: {sorted(set(files) - want)}; "
+                                f"imported but not staged: {sorted(want - set(files))}")
