@@ -93,8 +93,35 @@ def check_settings(chunk_sizes, block_sizes, cache_blocks, tiers) -> None:
     check_memory(cache_blocks or [])
 
 
-def run(directory, chunk_sizes=None, block_sizes=None, cache_blocks=None, tiers=None, max_num_seqs: int = 256) -> dict:
+# Combinations a sweep replays at most unless --max-combinations raises it: each replays every
+# recorded request (about 35 ms for a small dataset, seconds for a large one).
+MAX_COMBINATIONS = 500
+AXES = ("--chunk-size", "--block-size", "--cache-blocks", "--storage-tier")
+
+
+def check_grid(values: list, limit: int) -> int:
+    """The number of combinations of the swept values (a list, or None: as recorded, one value);
+    UsageError (exit 2) above limit."""
+    n = 1
+    for v in values:
+        n *= len(v) if v else 1
+    if n > limit:
+        axes = " × ".join(f"{len(v)} {a}" for a, v in zip(AXES, values) if v and len(v) > 1)
+        raise UsageError(f"the grid has {n:,} combinations ({axes}), more than --max-combinations {limit:,}: give "
+                         f"fewer values, or raise --max-combinations (each combination replays every recorded request)")
+    return n
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.1f} s" if s < 120 else f"{s / 60:.1f} min"
+
+
+def run(directory, chunk_sizes=None, block_sizes=None, cache_blocks=None, tiers=None, max_num_seqs: int = 256,
+        max_combinations: int = MAX_COMBINATIONS, say=None) -> dict:
+    """The predictions for every combination; say (a callable taking a line), when given, hears the
+    grid's size before the sweep and, once the first combination is timed, the time the rest take."""
     check_settings(chunk_sizes, block_sizes, cache_blocks, tiers)
+    check_grid([chunk_sizes, block_sizes, cache_blocks, tiers], max_combinations)
     wl = workload(directory)
     rec = wl.recorded
     if not wl.reqs:
@@ -108,17 +135,28 @@ def run(directory, chunk_sizes=None, block_sizes=None, cache_blocks=None, tiers=
     check_memory(cache_blocks)  # the recorded size too
     block_sizes = block_sizes or [wl.block_size]
     tiers = tiers or ["none"]
+    rows = _sweep(wl, list(itertools.product(chunk_sizes, block_sizes, cache_blocks, tiers)), max_num_seqs, say)
+    return {"dataset": str(directory), "requests": len(wl.reqs), "recorded": rec,
+            "step_model_ns": {"a": wl.model[0], "per_prefill_token": wl.model[1], "per_decode_request": wl.model[2]},
+            "storage_model": wl.storage.to_json(), "notes": wl.notes, "predictions": rows}
+
+
+def _sweep(wl: Workload, grid: list[tuple], max_num_seqs: int, say=None) -> list[dict]:
+    """Replay every (chunk size, block size, cache blocks, tier) of grid, one at a time."""
+    if say and len(grid) > 1:
+        say(f"whatif: {len(grid):,} combinations of {len(wl.reqs):,} requests; timing the first for an estimate")
     rows = []
-    for C, B, N, T in itertools.product(chunk_sizes, block_sizes, cache_blocks, tiers):
+    for i, (C, B, N, T) in enumerate(grid):
         t0 = time.perf_counter()
         kind = RadixReplay if wl.engine == "sglang" else Replay
         s = kind(wl, C, B, N, T, max_num_seqs).run()  # one pool at a time: freed before the next is made
         dt = time.perf_counter() - t0
         rows.append({"chunk_size": C, "block_size": B, "cache_blocks": N, "storage_tier": T, **s,
                      "replay_s": round(dt, 4), "lookups_per_s": round(s["lookups"] / dt) if dt else None})
-    return {"dataset": str(directory), "requests": len(wl.reqs), "recorded": rec,
-            "step_model_ns": {"a": wl.model[0], "per_prefill_token": wl.model[1], "per_decode_request": wl.model[2]},
-            "storage_model": wl.storage.to_json(), "notes": wl.notes, "predictions": rows}
+        if say and i == 0 and len(grid) > 1:
+            say(f"whatif: the first combination took {dt:.3f} s: about {_seconds(dt * (len(grid) - 1))} for the "
+                f"other {len(grid) - 1:,}")
+    return rows
 
 
 def _pct(x) -> str:

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import click
 
-from kvtrace.dataset.writer import private_open
-from kvtrace.errors import OutputError
+from kvtrace.dataset.writer import write_text
 
 
 @click.command("analyze")
@@ -34,11 +33,7 @@ def command(directory, as_json, html_path, engine, spark_master, block_size, wid
 
     rep = analyze(directory, engine=engine, master=spark_master, block_size=block_size)
     if html_path:
-        try:
-            with private_open(html_path, "w") as f:   # 0600, like the dataset it describes
-                f.write(render.to_html(rep))
-        except OSError as e:
-            raise OutputError(f"cannot write {html_path}: {e.strerror}") from None
+        write_text(html_path, render.to_html(rep))   # 0600, like the dataset it describes
     if as_json:
         click.echo(render.to_json(rep))
     else:

@@ -5,8 +5,8 @@ import json
 
 import click
 
-from kvtrace.dataset.writer import private_open
-from kvtrace.errors import GateError, OutputError
+from kvtrace.dataset.writer import write_text
+from kvtrace.errors import GateError
 
 
 @click.command("compare")
@@ -29,11 +29,7 @@ def command(base, new, gates, as_json, html_path, wide) -> int:
     parsed = [compare.parse_gate(g) for g in gates]
     result = compare.compare(analyze(base), analyze(new), parsed)
     if html_path:
-        try:
-            with private_open(html_path, "w") as f:
-                f.write(compare_render.to_html(result))
-        except OSError as e:
-            raise OutputError(f"cannot write {html_path}: {e.strerror}") from None
+        write_text(html_path, compare_render.to_html(result))
     if as_json:
         click.echo(json.dumps(result, indent=1))
     else:

@@ -43,11 +43,12 @@ def summarize(ds: Dataset, run: str | None = None) -> dict:
 
 
 def _json_list(run: dict, key: str) -> list[dict]:
-    """A run row's JSON list column (sinks, sidecars); [] when absent or unreadable."""
+    """A run row's JSON list column (sinks, sidecars), its objects; [] when absent or unreadable."""
     try:
-        return json.loads(run.get(key) or "[]")
+        items = json.loads(run.get(key) or "[]")
     except (TypeError, ValueError):
         return []
+    return [s for s in items if isinstance(s, dict)] if isinstance(items, list) else []
 
 
 def sink_lines(run: dict) -> list[str]:
@@ -69,6 +70,7 @@ def untraced_lines(run: dict) -> list[str]:
     out = []
     skips = run.get("kernel_skips") or {}
     if skips:
+        skips = {k: v for k, v in skips.items() if isinstance(v, int)}
         top = ", ".join(f"{k} {v}" for k, v in sorted(skips.items(), key=lambda kv: -kv[1])[:6])
         out.append(f"  kernel: {sum(skips.values())} events the kernel did not run kvtrace's program for "
                    f"(another BPF program held that CPU; its recursion_misses): {top}")
@@ -99,11 +101,11 @@ def print_run(console: Console, r: dict) -> None:
     from kvtrace.analysis.render import Term  # lazy: start-up cost: the CLI imports every command's module (cli._register)
 
     t = Term(console)
-    lost = sum((r.get("lost_events") or {}).values())
-    console.print(f"run {r['run']} ({r['status']}): {(r['stop_ns'] - r['start_ns']) / 1e9:.1f} s, lost {lost}, "
-                  f"dropped {r['dropped_events']}", markup=False)
-    t.prose("  pids", ", ".join(map(str, r["pids"])))
-    t.prose("  probes", ", ".join(r["probes_attached"]))
+    lost = sum(v for v in (r.get("lost_events") or {}).values() if isinstance(v, (int, float)))
+    console.print(f"run {r['run']} ({r.get('status') or '?'}): {(r['stop_ns'] - r['start_ns']) / 1e9:.1f} s, "
+                  f"lost {lost}, dropped {r.get('dropped_events') or 0}", markup=False)
+    t.prose("  pids", ", ".join(map(str, r.get("pids") or [])))
+    t.prose("  probes", ", ".join(map(str, r.get("probes_attached") or [])))
     for probe, why in (r.get("probes_skipped") or {}).items():
         if why != "not selected":
             t.prose(f"  skipped {probe}", str(why))
@@ -137,6 +139,7 @@ def print_tables(console: Console, title: str, tables: dict) -> None:
 def command(directory, run, as_json) -> int:
     """Summarize a recorded dataset (no root needed)."""
     ds = Dataset.open(directory)
+    ds.check_run(run)
     if as_json:
         click.echo(json.dumps(summarize(ds, run), indent=2, default=str))
     else:

@@ -38,11 +38,15 @@ def _ints(minimum: int = 1):
                    "computed block and loads a prefix back at admission; BLOCKS, a whole number above 0, bounds it, LRU; "
                    "READ_GBPS and LATENCY_US, its read speed and latency per block, else the recorded ones). Default: none.")
 @click.option("--max-num-seqs", type=click.IntRange(1), default=256, show_default=True, help="Running requests at most (vLLM --max-num-seqs).")
+@click.option("--max-combinations", type=click.IntRange(1), default=500, show_default=True,  # whatif.MAX_COMBINATIONS
+              help="Refuse (exit 2) a grid of more combinations than this; each replays every recorded request "
+                   "(the grid's size and an estimate of its time are said on stderr before the sweep).")
 @click.option("--json", "as_json", is_flag=True, help="Print the predictions as JSON.")
 @click.option("--wide", is_flag=True, help="Show every column, however wide the lines get.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None,
               help="Also write an HTML page: heat maps of TTFT p50 and hit rate over chunk size and storage tier.")
-def command(directory, chunk_size, block_size, cache_blocks, storage_tier, max_num_seqs, as_json, wide, html_path) -> int:
+def command(directory, chunk_size, block_size, cache_blocks, storage_tier, max_num_seqs, max_combinations, as_json,
+            wide, html_path) -> int:
     """Predict hit rate, recomputed tokens, evictions, storage loads and wait, TTFT and throughput
     for other settings; every combination of the comma-separated values is replayed."""
     import json
@@ -51,17 +55,13 @@ def command(directory, chunk_size, block_size, cache_blocks, storage_tier, max_n
 
     tiers = [t.strip() for t in storage_tier.split(",")] if storage_tier else None
     res = whatif.run(directory, chunk_sizes=chunk_size, block_sizes=block_size,
-                     cache_blocks=cache_blocks, tiers=tiers, max_num_seqs=max_num_seqs)
+                     cache_blocks=cache_blocks, tiers=tiers, max_num_seqs=max_num_seqs,
+                     max_combinations=max_combinations, say=lambda line: click.echo(f"kvtrace: {line}", err=True))
     if html_path:
         from kvtrace.analysis import whatif_render  # lazy: only --html needs it
-        from kvtrace.dataset.writer import private_open  # lazy: as above
-        from kvtrace.errors import OutputError  # lazy: as above
+        from kvtrace.dataset.writer import write_text  # lazy: as above
 
-        try:
-            with private_open(html_path, "w") as f:
-                f.write(whatif_render.to_html(res))
-        except OSError as e:
-            raise OutputError(f"cannot write {html_path}: {e.strerror}") from None
+        write_text(html_path, whatif_render.to_html(res))
     if as_json:
         click.echo(json.dumps(res, indent=1))
     else:

@@ -7,10 +7,15 @@ here, so one rule holds for all of them (docs/schema.md, "Reading a dataset"):
 - a file whose footer reads but that carries no kvtrace ``schema_version``, or another one:
   DatasetError naming the file (its columns may mean something else);
 - a file that cannot be read (a part torn by a crash, truncated, a corrupt footer or page,
-  no permission): left out, named in ``problems`` and in one warning line on stderr, and the
-  rest is read; every file unreadable: DatasetError.  A command that may still fail on what is
-  left opens with ``defer=True`` and lets the warnings out (``go_on``) once it goes on, so an
-  error stays one line.
+  no permission, not a regular file: a FIFO, a socket, a link): left out, named in ``problems``
+  and in one warning line on stderr, and the rest is read; every file unreadable: DatasetError.
+  Files are opened without blocking and without following links (kvtrace.dataset.files).  A
+  command that may still fail on what is left opens with ``defer=True`` and lets the warnings out
+  (``go_on``) once it goes on, so an error stays one line;
+- a column that is not what kvtrace writes (another type, a key column missing or null, a
+  negative time): DatasetError naming the file, table and column (kvtrace.dataset.columns);
+- a run under several host partitions: read once, from one of them, with a warning
+  (kvtrace.dataset.copies).
 
 Files are listed once, at open, and every footer is read then (versions, columns, row
 counts).  Partition columns ``host`` and ``date`` come from the paths.
@@ -26,7 +31,8 @@ from typing import Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kvtrace.dataset import schema
+from kvtrace.dataset import columns, copies, schema
+from kvtrace.dataset.files import NotRegular, check_root, open_regular, shown
 from kvtrace.errors import DatasetError
 
 HIDDEN = (".", "_")  # temp files of an atomic write, _SUCCESS and the like
@@ -58,9 +64,14 @@ class Footer:
     schema: pa.Schema
     rows: int
     version: object  # the kvtrace schema_version it carries (None: none)
+    meta: pq.FileMetaData | None = None
 
 
 def _footer_why(e: Exception) -> str:
+    if isinstance(e, NotRegular):
+        return e.why
+    if isinstance(e, OSError) and e.strerror:
+        return f"unreadable ({e.strerror})"
     text = str(e).splitlines()[0][:200] if str(e) else ""
     if any(w in text.lower() for w in ("footer", "magic", "size")):
         return "truncated or corrupt (no readable Parquet footer)"
@@ -68,20 +79,14 @@ def _footer_why(e: Exception) -> str:
 
 
 def _read_footer(path: Path) -> Footer:
-    md = pq.read_metadata(path)
+    with open_regular(path) as f:
+        md = pq.read_metadata(f)
     arrow = md.schema.to_arrow_schema()
     try:
         version = json.loads((arrow.metadata or {}).get(schema.META_KEY, b"{}")).get("schema_version")
     except (ValueError, AttributeError):
         version = None
-    return Footer(arrow, md.num_rows, version)
-
-
-def _check_dir(root: Path) -> None:
-    if not root.exists():
-        raise DatasetError(f"no dataset at {root}: give the --out directory of a kvtrace attach")
-    if not root.is_dir():
-        raise DatasetError(f"{root} is not a directory: give the --out directory of a kvtrace attach")
+    return Footer(arrow, md.num_rows, version, md)
 
 
 def list_files(root: Path) -> dict[str, list[Path]]:
@@ -90,7 +95,7 @@ def list_files(root: Path) -> dict[str, list[Path]]:
         dirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(HIDDEN))
         return {d.name: sorted(p for p in d.rglob("*.parquet") if not p.name.startswith(HIDDEN)) for d in dirs}
     except OSError as e:
-        raise DatasetError(f"cannot read {root}: {e.strerror}") from None
+        raise DatasetError(f"cannot read {shown(root)}: {e.strerror}") from None
 
 
 def version_error(bad: list[tuple[Path, object]], mixed: bool) -> DatasetError:
@@ -114,19 +119,22 @@ class Dataset:
     def open(cls, root, warn: Callable[[str], None] | None = warn_stderr, defer: bool = False) -> "Dataset":
         """The dataset at root, every file's footer read and its version checked (module docstring)."""
         root = Path(root)
-        _check_dir(root)
+        check_root(root)
         found = list_files(root)
         if not any(found.values()):
-            raise DatasetError(f"{root} is an empty dataset: no kvtrace tables in it "
-                               f"(expected e.g. {root}/block_io/host=*/date=*/*.parquet)")
+            raise DatasetError(f"{shown(root)} is an empty dataset: no kvtrace tables in it "
+                               f"(expected e.g. {shown(root)}/block_io/host=*/date=*/*.parquet)")
         ds = cls(root, warn, pending=[] if defer else None)
         for name, paths in found.items():
             ds.footers[name] = {p: f for p in paths if (f := ds._footer(name, p)) is not None}
         ds._check_versions()
         if not any(ds.footers.values()):
-            raise DatasetError(f"none of the {len(ds.skipped)} Parquet files of {root} can be read: "
+            raise DatasetError(f"none of the {len(ds.skipped)} Parquet files of {shown(root)} can be read: "
                                f"{ds.skipped[0].path}: {ds.skipped[0].why}")
+        ds._check_columns()
         ds._report(ds.skipped)
+        for line in copies.drop_copies(root, ds.footers):
+            ds.say(line)
         return ds
 
     def _footer(self, name: str, path: Path) -> Footer | None:
@@ -141,6 +149,23 @@ class Dataset:
         bad = [(p, v) for p, v in seen if v != schema.SCHEMA_VERSION]
         if bad:
             raise version_error(bad, mixed=len(bad) < len(seen))
+
+    def _check_columns(self) -> None:
+        for name, files in self.footers.items():
+            for p, f in files.items():
+                columns.check(name, p, f.schema, f.meta)
+                f.meta = None  # only needed for the check
+
+    def check_run(self, run: str | None) -> None:
+        """DatasetError (exit 6) when run is given and the dataset has no run of that id."""
+        if run is None:
+            return
+        known = sorted({r["run"] for r in self.table("runs").to_pylist()} |
+                       {copies.run_of(p) for files in self.footers.values() for p in files})
+        if run not in known:
+            some = ", ".join(known[:5]) + (f" and {len(known) - 5} more" if len(known) > 5 else "")
+            raise DatasetError(f"{shown(self.root)} has no run {run!r} (its runs: {some or 'none'}; "
+                               "kvtrace summary DIR lists them)")
 
     def say(self, line: str) -> None:
         """A warning: one line on stderr (held back while deferred)."""
@@ -198,7 +223,8 @@ class Dataset:
         """One file's rows, or None when its pages cannot be read (then left out and reported)."""
         name = path.relative_to(self.root).parts[0]
         try:
-            t = pq.read_table(path)
+            with open_regular(path) as f:
+                t = pq.read_table(f)
         except Exception as e:  # noqa: BLE001
             skip = Skipped(name, path, f"corrupt ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")
             self.skipped.append(skip)
@@ -229,7 +255,8 @@ class Dataset:
                                f"{str(e).splitlines()[0][:200]}") from None
 
     def runs(self) -> list[dict]:
-        """The runs table's rows (host and date included), JSON columns decoded."""
+        """The runs table's rows (host and date included), JSON columns decoded (an object each:
+        {} when absent, not JSON or not an object)."""
         rows = self.table("runs").to_pylist()
         for r in rows:
             for key in ("probes_skipped", "events", "lost_events", "sampling", "kernel_skips"):
@@ -237,7 +264,9 @@ class Dataset:
                     try:
                         r[key] = json.loads(r[key])
                     except ValueError:
-                        pass
+                        r[key] = {}
+                    if not isinstance(r[key], dict):
+                        r[key] = {}
         return rows
 
 

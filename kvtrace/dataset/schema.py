@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from kvtrace.hook.wire import CODEC
+
 SCHEMA_VERSION = 1
 META_KEY = b"kvtrace"
 
@@ -209,6 +211,22 @@ RUNS = pa.schema([
     ("probes_skipped", s), ("events", s), ("lost_events", s), ("dropped_events", u64),
     ("sidecars", s), ("sinks", s), ("sampling", s), ("kernel_skips", s),
 ])
+
+
+# The hook's records (kvtrace.hook.wire) as the agent stores them (kvtrace.capture.usermark):
+# each field with the Arrow type of its wire code, then the marker's mark_ns, pid and tid.
+WIRE_TYPES = {"B": pa.uint8(), "H": pa.uint16(), "I": pa.uint32(), "Q": pa.uint64(), "b": pa.int8(),
+              "h": pa.int16(), "i": pa.int32(), "q": pa.int64(), "d": pa.float64(), "s": pa.string(),
+              "U": pa.list_(pa.uint64())}
+
+
+def hook_schema(name: str) -> pa.Schema | None:
+    """The schema of a hook table (None: no hook record of that name)."""
+    spec = CODEC.by_name.get(name)
+    if spec is None or any(code not in WIRE_TYPES for _, code in spec[1]):
+        return None
+    fields = [(f, WIRE_TYPES[code]) for f, code in spec[1]]
+    return pa.schema(fields + [("mark_ns", u64), ("pid", u32), ("tid", u32)])
 
 
 def with_run(table: pa.Table, run: str) -> pa.Table:

@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 
 from kvtrace import __version__
 from kvtrace.dataset import schema
+from kvtrace.dataset.files import shown
 from kvtrace.errors import OutputError
 
 FILE_MODE = 0o600
@@ -35,6 +36,16 @@ def private_open(path, mode: str = "wb"):
     except OSError:
         pass  # a file we may write but not chmod keeps its mode
     return os.fdopen(fd, mode)
+
+
+def write_text(path, text: str) -> None:
+    """An output file of a command (--html), written with the dataset's mode; OutputError (exit 5,
+    one line) when it cannot be (no such directory, no permission, a name too long, disk full)."""
+    try:
+        with private_open(path, "w") as f:
+            f.write(text)
+    except OSError as e:
+        raise OutputError(f"cannot write {shown(path)}: {e.strerror or e}") from None
 # A part lives from one flush to the stop's compaction, so it is written the cheap way: LZ4 and
 # no dictionaries cost about 35% less CPU than zstd on a flush's small tables (docs/performance.md).
 # Compacted tables and the runs table are written with zstd.
@@ -119,29 +130,55 @@ class DatasetWriter:
 
     def compact(self) -> None:
         """Merge each table's part files of this run into one file per partition directory
-        (streaming, so memory stays bounded by one part)."""
+        (streaming, so memory stays bounded by one part).  Parts are removed only once the file
+        holding their rows is in place.  Parts gone from the disk (the output directory removed
+        during the run) or a merge that fails: OutputError (exit 5) after every other table is
+        compacted, so what is still on the disk stays, readable."""
+        gone: list[Path] = []
+        failed: list[str] = []
         for name, parts in self.parts.items():
             by_dir: dict[Path, list[Path]] = {}
             for p in parts:
                 by_dir.setdefault(p.parent, []).append(p)
             merged = []
             for folder, group in by_dir.items():
-                merged.append(self._merge(name, folder, group) if len(group) > 1 else group[0])
+                here = [p for p in group if p.is_file()]
+                gone += [p for p in group if p not in here]
+                if not here:
+                    continue
+                try:
+                    merged.append(self._merge(name, folder, here) if len(here) > 1 else here[0])
+                except OutputError as e:
+                    failed.append(str(e))
+                    merged += [p for p in here if p.is_file()]
             self.parts[name] = merged
+        if failed or gone:
+            raise OutputError(self._compact_error(failed, gone))
+
+    def _compact_error(self, failed: list[str], gone: list[Path]) -> str:
+        after = f"; kvtrace correlate {self.root} adds the derived tables to what is left"
+        if failed:
+            return failed[0] + (f" ({len(failed) - 1} more tables like it)" if len(failed) > 1 else "") + after
+        if not any(self.parts.values()):
+            return (f"the output directory {self.root} was removed during the run: the {len(gone)} part files of run "
+                    f"{self.run} are gone (the first: {gone[0]}); nothing is left to compact")
+        return (f"{len(gone)} part files of run {self.run} were removed from {self.root} during the run (the first: "
+                f"{gone[0]}); the rest is compacted and readable" + after)
 
     def _merge(self, name: str, folder: Path, group: list[Path]) -> Path:
         out = folder / f"{self.run}.parquet"
         tmp = folder / f".{out.name}.tmp"
-        first = pq.read_schema(group[0])
         try:
+            first = pq.read_schema(group[0])
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
             with os.fdopen(fd, "wb") as f, pq.ParquetWriter(f, first, **FINAL) as w:
                 for p in group:
                     w.write_table(pq.read_table(p, schema=first))
             os.replace(tmp, out)
-        except OSError as e:
+        except (OSError, pa.ArrowException) as e:
             tmp.unlink(missing_ok=True)
-            raise OutputError(f"cannot compact {name}: {e.strerror}; the part files stay readable") from None
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0][:200]
+            raise OutputError(f"cannot compact {name} in {folder}: {why}; its part files stay readable") from None
         for p in group:
             p.unlink(missing_ok=True)
         return out
