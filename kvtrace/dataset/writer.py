@@ -28,10 +28,22 @@ FILE_MODE = 0o600
 def private_open(path, mode: str = "wb"):
     """Open ``path`` for writing, emptied, with the dataset's mode (0600: what kvtrace writes can
     hold what the traced processes read and wrote); an existing regular file gets that mode too.
-    A device or pipe (/dev/null, a fifo) keeps its mode: root must not chmod /dev/null."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    A device or pipe (/dev/null, a fifo) keeps its mode: root must not chmod /dev/null.  A
+    symbolic link there is refused (ELOOP), never followed: root writes only the file named; a
+    regular file of another user is refused too (EPERM): root does not take over others' files."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, FILE_MODE)
     try:
-        if stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_uid != os.geteuid():
+            raise OSError(errno.EPERM, f"it belongs to uid {st.st_uid}")
+        if stat.S_ISREG(st.st_mode):
+            os.ftruncate(fd, 0)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        if stat.S_ISREG(st.st_mode):
             os.fchmod(fd, FILE_MODE)
     except OSError:
         pass  # a file we may write but not chmod keeps its mode
@@ -63,7 +75,7 @@ def _write(table: pa.Table, path: Path, meta: dict, options: dict = FINAL,
     tmp = path.parent / f".{path.name}.tmp"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+        fd = _exclusive(tmp)
         with os.fdopen(fd, "wb") as f:
             pq.write_table(table, f, **options)
         os.replace(tmp, path)
@@ -75,6 +87,33 @@ def _write(table: pa.Table, path: Path, meta: dict, options: dict = FINAL,
         if e.errno == errno.ENOSPC:
             raise OutputError(f"output disk full writing {path}: {on_full}") from None
         raise OutputError(f"cannot write {path}: {e.strerror}") from None
+
+
+def _exclusive(tmp: Path) -> int:
+    """A new temporary file: whatever an earlier, killed writer left at its name (a file, or a
+    link someone planted) is unlinked, never followed or truncated."""
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+
+
+def check_out_dir(root: Path) -> None:
+    """An existing output directory is used only when it is not a link, is this user's (or the
+    sudo caller's), and nobody else can write in it (they could plant links at its file names)."""
+    try:
+        st = os.lstat(root)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise OutputError(f"cannot use output directory {shown(root)}: {e.strerror}") from None
+    mine = {os.geteuid()} | ({int(os.environ["SUDO_UID"])} if os.environ.get("SUDO_UID", "").isdigit() else set())
+    why = ("it is a symbolic link" if stat.S_ISLNK(st.st_mode) else "it is not a directory" if not stat.S_ISDIR(st.st_mode)
+           else f"it belongs to uid {st.st_uid}" if st.st_uid not in mine
+           else f"others can write in it (mode {stat.S_IMODE(st.st_mode):04o})" if st.st_mode & 0o022 else "")
+    if why:
+        raise OutputError(f"output directory {shown(root)} not used: {why}; choose a directory of your own for --out")
 
 
 class DatasetWriter:
@@ -89,6 +128,7 @@ class DatasetWriter:
         self.check_writable()
 
     def check_writable(self) -> None:
+        check_out_dir(self.root)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -170,7 +210,7 @@ class DatasetWriter:
         tmp = folder / f".{out.name}.tmp"
         try:
             first = pq.read_schema(group[0])
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+            fd = _exclusive(tmp)
             with os.fdopen(fd, "wb") as f, pq.ParquetWriter(f, first, **FINAL) as w:
                 for p in group:
                     w.write_table(pq.read_table(p, schema=first))

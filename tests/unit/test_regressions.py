@@ -43,6 +43,23 @@ REGRESSIONS = [
     ("a hook module left out of the staged files", "inject/stage.py",
      '"hook/transport.py", "hook/api.py",', '"hook/transport.py",',
      ["tests/unit/test_stage.py::test_the_staged_files_are_exactly_what_the_hooks_import"], False),
+    ("the output directory trusted as given", "dataset/writer.py",
+     "        check_out_dir(self.root)\n", "",
+     ["tests/unit/test_output_hostile.py::test_an_output_directory_that_is_a_link_is_refused"], False),
+    ("a temporary file opened through what lies at its name", "dataset/writer.py",
+     """        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)""",
+     """        pass
+    except FileNotFoundError:
+        pass
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)""",
+     ["tests/unit/test_output_hostile.py::test_a_link_at_a_temporary_name_is_removed_not_followed"], False),
+    ("an output file opened through a link", "dataset/writer.py",
+     "os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, FILE_MODE)",
+     "os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, FILE_MODE)",
+     ["tests/unit/test_output_hostile.py::test_a_link_at_an_output_file_is_refused"], False),
     ("the engine's source read through links and FIFOs", "hook/source.py",
      'self.confined = root.startswith("/proc/") if confined is None else confined', "self.confined = False",
      ["tests/unit/test_discover_hostile.py::test_the_agent_side_source_check_refuses_a_fifo_or_link_at_once"], False),
