@@ -96,7 +96,7 @@ def run(cap: Capture, echo) -> tuple[object, str]:
             if why != "not selected":
                 echo(f"kvtrace: probe {name} skipped: {why}")
         for sidecar in start_vllm_streams(server, cap.kv_events, cap.kv_replay, cap.metrics_url,
-                                          cap.metrics_interval, echo=echo):
+                                          cap.metrics_interval, echo=echo, pids=pids):
             pipeline.add_sidecar(sidecar)
         fabric.start(pipeline, source)  # NVMe topology, NIC counters, nvme/tcp probe settings
         agg.start(pipeline, source, cap.sampling, echo=echo)  # exact counts, sampling

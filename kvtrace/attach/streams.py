@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import sys
-from kvtrace.vllm import kvevents
+from kvtrace.vllm import kvevents, kvpeer
 from kvtrace.vllm.metrics import MetricsScraper
 
 
@@ -10,12 +10,22 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def _server_procs(server, pids) -> kvpeer.ServerProcs | None:
+    """The processes whose KV events are taken: the server (its pid, or the server on its port
+    after a restart, and their children), else the traced ``pids``; None when neither is known."""
+    if server is not None:
+        return kvpeer.ServerProcs(kvpeer.server_roots(server))
+    return kvpeer.ServerProcs(list(pids)) if pids else None
+
+
 def start_vllm_streams(server, kv_events: str | None, kv_replay: str | None, metrics_url: str | None,
-                       metrics_interval: float, echo=_stderr) -> list:
+                       metrics_interval: float, echo=_stderr, pids=None) -> list:
     """Start the KV-event subscriber(s) and the /metrics scraper for this capture.
 
     Explicit --kv-events / --metrics-url win over what discovery found.  An endpoint that
     cannot be reached gives one warning line; capture goes on (the threads keep retrying).
+    KV events are taken only from the server's processes (or, without a discovered server,
+    from ``pids``, the traced processes); with neither, kvtrace does not listen for them.
     """
 
     sidecars, notes = [], []
@@ -23,6 +33,7 @@ def start_vllm_streams(server, kv_events: str | None, kv_replay: str | None, met
     ns = getattr(server, "netns", None)  # the server's own network namespace, when not kvtrace's
     endpoints: list[tuple[str, str | None, str]] = []  # (vLLM-side endpoint, replay, topic)
     binds = None  # SGLang's explicit bind setting
+    peers = _server_procs(server, pids)
     if kv_events:
         endpoints.append((kv_events, kv_replay, ""))
     elif server is not None and server.kv_events is not None and server.kv_events.enabled:
@@ -37,12 +48,18 @@ def start_vllm_streams(server, kv_events: str | None, kv_replay: str | None, met
         except ValueError as e:
             echo(f"kvtrace: warning: {e}; capture continues without kv_events")
             continue
+        if bind and peers is None:
+            echo(f"kvtrace: warning: the server connects out to the KV events endpoint {endpoint}, but kvtrace knows "
+                 "no server process to take events from (attach with --port or --pid of the server); "
+                 "capture continues without kv_events")
+            continue
         sub = kvevents.KvEventSubscriber(address, kvevents.replay_address(replay, root=root) if replay else None,
-                                         topic=topic, bind=bind, netns=ns)
+                                         topic=topic, bind=bind, netns=ns, peers=peers,
+                                         echo=lambda w: echo(f"kvtrace: warning: {w}"))
         for w in sub.start():
             echo(f"kvtrace: warning: {w}")
         sidecars.append(sub)
-        notes.append(f"kv_events from {address}" + (" (bound: vLLM connects to it)" if sub.bind else ""))
+        notes.append(f"kv_events from {sub.endpoint}" + (" (bound: vLLM connects to it)" if sub.bind else ""))
     if server is not None and server.kv_events is not None and not server.kv_events.enabled and not kv_events:
         notes.append("no kv_events (the server was started without KV events)")
     elif server is not None and server.kv_events is None and not kv_events:

@@ -5,6 +5,7 @@ Split from kvtrace.vllm.kvevents, which re-exports every name here.
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 
@@ -65,6 +66,43 @@ def tcp_hostport(endpoint: str) -> tuple[str, int] | None:
     if host.startswith("::ffff:") and host.count(".") == 3:
         host = host[len("::ffff:"):]
     return host, int(port)
+
+
+WILDCARDS = {"*": "127.0.0.1", "0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}
+
+
+def bind_address(endpoint: str) -> tuple[str, str | None]:
+    """(the tcp address kvtrace binds for ``endpoint``, a warning line or None).
+
+    Never a wildcard: a publisher connecting out to 0.0.0.0 (or ::) reaches this host's
+    loopback, so that is what kvtrace binds.  A hostname is resolved (IPv4 unless an IPv6
+    literal, as ZeroMQ does).  Any address not on loopback gets one warning line."""
+    hp = tcp_hostport(endpoint)
+    if hp is None:
+        return endpoint, None
+    host, port = hp
+    if host in WILDCARDS:
+        ip = WILDCARDS[host]
+        return _tcp(ip, port), (f"KV events: the server connects out to {host or '*'}:{port}, which lands on loopback: "
+                                f"kvtrace listens on {_hp(ip, port)} only, never on a wildcard address")
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        ip = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)[0][4][0]
+    except (OSError, UnicodeError):
+        return endpoint, None
+    if ipaddress.ip_address(ip).is_loopback:
+        return _tcp(ip, port), None
+    return _tcp(ip, port), (f"KV events: kvtrace listens on {_hp(ip, port)}, not loopback, because the server "
+                            "connects out there; it accepts only the server's own processes, every other connection "
+                            "is closed unread and counted (kv_events rejected_peers)")
+
+
+def _hp(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _tcp(host: str, port: int) -> str:
+    return f"tcp://{_hp(host, port)}"
 
 
 def probe(endpoint: str, timeout: float = 1.0) -> str | None:

@@ -18,9 +18,14 @@ supply is counted as ``missing``.  The socket monitor's reconnect triggers a rep
 next expected seq, and ``stop()`` replays the tail, so a batch published while kvtrace was
 disconnected still arrives.  Token ids are never stored: only their count and a 64-bit hash
 per block.
+
+With ``peers`` (the server's processes, kvtrace.vllm.kvpeer) the ZeroMQ sockets talk only to
+private ipc endpoints and a relay thread (kvtrace.vllm.kvrelay) owns the real ones: a peer
+that is not the server's is closed before a byte passes and counted in ``rejected_peers``.
 """
 from __future__ import annotations
 
+import errno
 import queue
 import threading
 import time
@@ -30,11 +35,12 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from kvtrace.host import netns as netns_mod
+from kvtrace.vllm import kvpeer, kvrelay
 # Re-exported: the decoder and the endpoint helpers live in their own modules.
 from kvtrace.vllm.kvdecode import (CLEARED, COLUMNS, END_SEQ, FIELDS, MASK64, REMOVED, SCHEMA, STORED, TABLE,  # noqa: F401
                                    Decoder, _int, _new_cols, _str, block_hash, to_table, tokens_hash)
-from kvtrace.vllm.kvendpoints import (probe, rank_endpoint, replay_address, subscriber_endpoint,  # noqa: F401
-                                      tcp_hostport, vllm_binds)
+from kvtrace.vllm.kvendpoints import (bind_address, probe, rank_endpoint, replay_address,  # noqa: F401
+                                      subscriber_endpoint, tcp_hostport, vllm_binds)
 
 
 __all__ = ["CLEARED", "COLUMNS", "END_SEQ", "FIELDS", "MASK64", "REMOVED", "SCHEMA", "STORED", "TABLE", "Decoder",
@@ -44,7 +50,7 @@ __all__ = ["CLEARED", "COLUMNS", "END_SEQ", "FIELDS", "MASK64", "REMOVED", "SCHE
 
 STAT_KEYS = ("batches", "rows", "gaps", "gap_batches", "replayed", "missing", "duplicates", "publisher_restarts",
              "replay_requests", "replay_failures", "queue_drops", "bad_frames", "connects", "disconnects",
-             "internal_errors")
+             "internal_errors", "rejected_peers")
 
 
 @dataclass
@@ -58,19 +64,30 @@ class KvEventSubscriber:
 
     ``endpoint`` is the address kvtrace uses (see ``subscriber_endpoint``); ``bind`` when vLLM
     connects out to it.  ``resume_from`` replays from that seq at start (continuing an earlier
-    subscriber's stream without a hole).
+    subscriber's stream without a hole).  ``peers``: the server's processes (a
+    kvpeer.ServerProcs, or its root pids), the only ones whose events are taken; None takes
+    whoever is at the endpoint (a caller that trusts it: tests).  ``echo(line)`` is told of the
+    first peer refused.
     """
 
     name = TABLE
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "", bind: bool = False,
                  resume_from: int | None = None, queue_batches: int = 20000, replay_timeout: float = 2.0,
-                 rcvhwm: int = 100_000, netns: str | None = None):
+                 rcvhwm: int = 100_000, netns: str | None = None, peers=None, echo=None):
         self.endpoint = endpoint
         self.netns = netns  # /proc/PID/ns/net: the thread and its ZeroMQ context work inside it
         self.replay_endpoint = replay_endpoint
         self.topic = topic.encode()
         self.bind = bind and endpoint.startswith("tcp://")  # binding an ipc path would steal vLLM's socket
+        self.bind_note = None
+        if self.bind:
+            self.endpoint, self.bind_note = bind_address(endpoint)
+        self.peers = peers if peers is None or isinstance(peers, kvpeer.ServerProcs) else kvpeer.ServerProcs(peers)
+        self.echo = echo
+        self.rejected_last: str | None = None
+        self._relay: kvrelay.Relay | None = None
+        self._replay_to = replay_endpoint  # where the DEALER connects: the relay's private side when checked
         self.resume_from = resume_from
         self.replay_timeout = replay_timeout
         self.rcvhwm = rcvhwm
@@ -91,7 +108,7 @@ class KvEventSubscriber:
 
     def start(self, wait: float = 2.0) -> list[str]:
         """Start the thread; warnings (unreachable endpoint, bind failure) as one-line strings."""
-        warnings = []
+        warnings = [self.bind_note] if self.bind_note and self.peers is not None else []
         if not self.bind:
             try:
                 why = netns_mod.call(self.netns, probe, self.endpoint, timeout=5)
@@ -135,6 +152,8 @@ class KvEventSubscriber:
             out.update({
                 "endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint,
                 "first_seq": self.first_seq, "last_seq": None if self.next_seq is None else self.next_seq - 1,
+                "peer_check": self.peers is not None, "rejected_last": self.rejected_last,
+                "internal_errors": self.c["internal_errors"] + (self._relay.errors if self._relay else 0),
                 "bad_payloads": d.bad_payloads, "bad_events": d.bad_events, "bad_fields": d.bad_fields,
                 "events": dict(d.events),
             })
@@ -161,9 +180,10 @@ class KvEventSubscriber:
         sub = mon = None
         try:
             sub = ctx.socket(zmq.SUB)
+            # the monitor first: the first connect is counted however fast it comes
+            mon = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
             if not self._open(sub):
                 return
-            mon = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
             self._ready.set()
             if self.resume_from is not None:
                 self.next_seq = self.resume_from
@@ -182,6 +202,16 @@ class KvEventSubscriber:
                     except Exception:
                         pass
             ctx.term()
+            if self._relay is not None:
+                self._relay.stop()
+
+    def _rejected(self, line: str) -> None:
+        """From the relay thread: a peer that is not the server's was refused."""
+        with self._lock:
+            self.c["rejected_peers"] += 1
+            first, self.rejected_last = self.rejected_last is None, line
+        if first and self.echo is not None:
+            self.echo(f"{line} (this and every later refusal: kv_events rejected_peers in the run row)")
 
     def _open(self, sub) -> bool:
         """Set the SUB socket up and bind or connect it; False (with ``setup_error``) if that failed."""
@@ -193,7 +223,9 @@ class KvEventSubscriber:
         if self.endpoint.startswith("tcp://[") or "::" in self.endpoint:
             sub.setsockopt(zmq.IPV6, 1)
         try:
-            if self.bind:
+            if self.peers is not None:
+                self._open_relay(sub)
+            elif self.bind:
                 try:
                     sub.bind(self.endpoint)
                 except zmq.ZMQError as e:
@@ -204,12 +236,33 @@ class KvEventSubscriber:
                     sub.connect(self.endpoint)
             else:
                 sub.connect(self.endpoint)
-        except zmq.ZMQError as e:
+        except (zmq.ZMQError, OSError) as e:
             verb = "bind" if self.bind else "connect to"
             self.setup_error = f"cannot {verb} KV events endpoint {self.endpoint} ({e}); no kv_events will be recorded"
             self._ready.set()
             return False
         return True
+
+    def _open_relay(self, sub) -> None:
+        """The relay owns the real endpoints; SUB binds or connects its private side."""
+        relay = self._relay = kvrelay.Relay(self.peers, self._rejected)
+        private = None
+        if self.bind:
+            try:
+                private = relay.listen(self.endpoint)
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE:
+                    raise
+                self.bind = False   # most likely the server bound it: reach it, checked, like any other
+        if private is not None:
+            sub.bind(private)   # before the relay accepts anything for it
+        else:
+            private = relay.dial(self.endpoint)
+        if self.replay_endpoint:
+            self._replay_to = relay.dial(self.replay_endpoint)
+        relay.start()   # its first round at once: an ipc server is ready before SUB connects
+        if not self.bind:
+            sub.connect(private)
 
     def _receive(self, ctx, sub, mon) -> None:
         """The receive loop until ``stop()``: monitor events (a reconnect replays from the next
@@ -322,7 +375,7 @@ class KvEventSubscriber:
         try:
             if "[" in self.replay_endpoint:
                 dealer.setsockopt(zmq.IPV6, 1)
-            dealer.connect(self.replay_endpoint)
+            dealer.connect(self._replay_to)
             dealer.send_multipart([b"", start.to_bytes(8, "big")])
             deadline = time.monotonic() + self.replay_timeout
             while True:
