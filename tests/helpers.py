@@ -100,3 +100,17 @@ def link_tree(src: Path, dst: Path) -> None:
         dirnames[:] = [d for d in dirnames if d != "__pycache__"]
         for f in filenames:
             (dst / rel / f).symlink_to(Path(dirpath) / f)
+
+
+def tree_state(d) -> list:
+    """Every entry below ``d`` with its mode, owner and (for files) bytes, links not followed:
+    what a hostile-neighbour test compares before and after to show nothing was touched."""
+    import os
+
+    out = []
+    for dirpath, dirs, files in os.walk(d):
+        for n in sorted(dirs + files):
+            p = os.path.join(dirpath, n)
+            st = os.lstat(p)
+            out.append((p, st.st_mode, st.st_uid, st.st_gid, Path(p).read_bytes() if os.path.isfile(p) and not os.path.islink(p) else None))
+    return out

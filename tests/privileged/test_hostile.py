@@ -18,21 +18,12 @@ from kvtrace.attach.agentflag import AgentFlag
 from kvtrace.errors import TargetError
 from kvtrace.host.confined import UnsafePath
 from kvtrace.inject import injector, stage
+from tests.helpers import tree_state
 
 pytestmark = pytest.mark.root
 
 SLEEPER = "import time\nwhile True: time.sleep(0.05)\n"
 ATTACKER = 12345
-
-
-def _tree(d) -> list:
-    out = []
-    for dirpath, dirs, files in os.walk(d):
-        for n in sorted(dirs + files):
-            p = os.path.join(dirpath, n)
-            st = os.lstat(p)
-            out.append((p, st.st_mode, st.st_uid, st.st_gid, open(p, "rb").read() if os.path.isfile(p) else None))
-    return out
 
 
 def _as(uid: int):
@@ -72,7 +63,7 @@ def planted(tmp_path):
               "    p = os.path.join(d, 'kvtrace', rel)\n    os.makedirs(os.path.dirname(p), exist_ok=True)\n"
               "    open(p, 'w').write(code)\n")
     subprocess.run(["/usr/bin/python3", "-c", script, str(d), code], check=True, preexec_fn=_as(ATTACKER))
-    before = _tree(d)
+    before = tree_state(d)
     yield marker, d, before
     shutil.rmtree(d, ignore_errors=True)
 
@@ -90,7 +81,7 @@ def test_a_planted_staging_directory_never_runs_in_the_server(planted, server_ui
     assert rep["status"]["reason"] == f"no role in process 'MainProcess'"   # the real hook ran and judged the process
     assert rep["hook_file"].startswith("/tmp/kvtrace-") and not rep["hook_file"].startswith(str(d))
     assert not os.path.exists(os.path.dirname(os.path.dirname(os.path.dirname(rep["hook_file"]))))   # removed
-    assert not marker.exists() and _tree(d) == before
+    assert not marker.exists() and tree_state(d) == before
 
 
 @pytest.fixture
@@ -115,7 +106,7 @@ def container(tmp_path):
     inner = f"mount --bind -o ro /usr {root}/usr && exec chroot {root} /usr/bin/python3 -c '{SLEEPER}'"
     p = _started(["unshare", "--mount", "--propagation", "private", "--fork", "sh", "-c", inner])
     pid = _child(p.pid)
-    before = [_tree(v) for v in victims]
+    before = [tree_state(v) for v in victims]
     yield pid, victims, before
     _end(p, pid)
 
@@ -146,7 +137,7 @@ def test_a_container_linking_tmp_out_is_refused_in_one_line(container):
         injector.hook(pid, "install", timeout=20)
     assert str(e.value) == (f"process {pid}: the hook is not staged: /proc/{pid}/root/tmp: not used, "
                             "it is, or passes through, a symbolic link")
-    assert [_tree(v) for v in victims] == before
+    assert [tree_state(v) for v in victims] == before
 
 
 def test_a_container_linking_dev_shm_out_gets_no_flag(container, tmp_path):
@@ -156,7 +147,7 @@ def test_a_container_linking_dev_shm_out_gets_no_flag(container, tmp_path):
         flag.dir = "/dev/shm/kvtrace-agents"
         with pytest.raises(UnsafePath, match=rf"^/proc/{pid}/root/dev/shm: not used, it is, or passes through, a symbolic link$"):
             flag.add_root(f"/proc/{pid}/root")
-    assert [_tree(v) for v in victims] == before
+    assert [tree_state(v) for v in victims] == before
     assert oct(os.stat(victims[1]).st_mode & 0o777) == "0o700"
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from kvtrace.host import confined
 from kvtrace.inject import loader, stage
+from tests.helpers import tree_state
 
 PY = "/usr/bin/python3"
 
@@ -139,10 +140,10 @@ def test_a_base_reached_through_a_link_is_refused_and_the_host_left_alone(tmp_pa
     root = tmp_path / "ctr"
     root.mkdir()
     (root / "tmp").symlink_to(str(host_dir))
-    before = _tree(host_dir)
+    before = tree_state(host_dir)
     with pytest.raises(confined.UnsafePath, match=rf"^{root}/tmp: not used, it is, or passes through, a symbolic link$"):
         stage.stage(os.getpid(), base="/tmp", root=str(root))
-    assert _tree(host_dir) == before
+    assert tree_state(host_dir) == before
 
 
 def test_a_link_on_the_way_is_refused(tmp_path):
@@ -183,16 +184,6 @@ def test_the_walk_without_openat2_refuses_links_and_dotdot(tmp_path, monkeypatch
         with pytest.raises(confined.UnsafePath, match="leads out"):
             r.opendir("/real/..")
     assert confined._openat2_ok is False
-
-
-def _tree(d) -> list:
-    out = []
-    for dirpath, dirs, files in os.walk(d):
-        for n in sorted(dirs + files):
-            p = os.path.join(dirpath, n)
-            st = os.lstat(p)
-            out.append((p, st.st_mode, st.st_uid, st.st_gid, open(p, "rb").read() if os.path.isfile(p) else None))
-    return out
 
 
 def _hook_imports(rel: str) -> set[str]:
