@@ -1,6 +1,14 @@
 """The replay's scheduler (kvtrace/analysis/whatif.py has the model it follows): admission from
 the waiting queue, prefill chunks and decodes within the chunk budget, preemption, the step
-clock; over the block pool of kvtrace/analysis/whatif_cache.py."""
+clock; over the block pool of kvtrace/analysis/whatif_cache.py.
+
+The clock and the order (docs/analysis.md, "The replay's order"): at the recorded setting
+(chunk budget, block size, cache size and storage tier as recorded) every request arrives at its
+recorded time, the replay's k-th step lasts as long as the recording's k-th step
+(whatif_workload.recorded_clock) and first admissions keep the recorded order, so the replay
+gives the recorded run back; at any other setting the fitted step model times the steps,
+closed-loop requests are re-timed to their trigger's replayed finish and the queue is in the
+replay's own arrival order."""
 from __future__ import annotations
 
 import functools
@@ -14,6 +22,68 @@ from kvtrace.analysis.whatif_workload import Req, Workload
 from kvtrace.errors import UsageError
 
 _not_none = functools.partial(operator.is_not, None)
+
+
+class Waiting:
+    """The waiting queue.  Requests back from a preemption (or SGLang's retraction) come first,
+    as the engines put them at the front; then the others in the order they arrived or, when
+    ``ordered`` (the replay at the recorded setting), in the recorded order of first admissions:
+    the head is then the request the recording admitted next, once it has arrived, and one that
+    arrived before it waits (docs/analysis.md, "The replay's order").  False when no request may
+    be admitted now."""
+
+    __slots__ = ("back", "ready", "next", "ordered")
+
+    def __init__(self, ordered: bool = False):
+        self.back: deque = deque()   # re-admissions, front first
+        self.ready: dict = {}        # arrived and not yet admitted: rank -> request (ordered), else in arrival order
+        self.next = 0                # ordered: the rank admitted next
+        self.ordered = ordered
+
+    def append(self, r: Req) -> None:
+        self.ready[r.rank if self.ordered else id(r)] = r
+
+    def appendleft(self, r: Req) -> None:
+        self.back.appendleft(r)
+
+    def _head(self):
+        if self.back:
+            return self.back[0]
+        if not self.ordered:
+            return next(iter(self.ready.values()), None)
+        return self.ready.get(self.next)
+
+    def __bool__(self) -> bool:
+        return self._head() is not None
+
+    def __getitem__(self, i: int) -> Req:
+        r = self._head()
+        if i or r is None:
+            raise IndexError(i)
+        return r
+
+    def popleft(self) -> Req:
+        if self.back:
+            return self.back.popleft()
+        if not self.ordered:
+            return self.ready.pop(next(iter(self.ready)))
+        r = self.ready.pop(self.next)
+        self.next = r.rank + 1
+        return r
+
+    def queued(self) -> list:
+        """Every request waiting, in the queue's order."""
+        rest = (self.ready[k] for k in sorted(self.ready)) if self.ordered else self.ready.values()
+        return [*self.back, *rest]
+
+    def blocked(self) -> bool:
+        """Requests have arrived, but not the next in the recorded order."""
+        return not self._head() and bool(self.ready)
+
+    def unblock(self) -> None:
+        """The next in the recorded order will never come (its closed-loop trigger was dropped):
+        go on with the earliest one that has arrived."""
+        self.next = min(self.ready)
 
 
 class Replay(BlockPool):
@@ -32,6 +102,18 @@ class Replay(BlockPool):
         # a loaded block's time (kvtrace.analysis.whatif_storage), scaled to this block size
         self.load_ns = wl.storage.per_block_ns(t.gbps, t.latency_us) * self.m if t.on else 0.0
         self.wait_ns = 0.0
+        # at the recorded setting the replay keeps the recording's time (docs/analysis.md, "The
+        # replay's order"): recorded arrivals, and each step as long as the recording's step at
+        # its place; elsewhere the step model and the closed-loop clients decide
+        self.clock = self._recorded_clock(chunk, block, cache_blocks, tier)
+
+    def _recorded_clock(self, chunk: int, block: int, cache_blocks: int, tier: str) -> list | None:
+        """The recorded steps' times when these are the recorded settings, else None."""
+        wl = self.wl
+        rec = wl.recorded
+        same = (chunk, block, cache_blocks, tier) == (rec.get("chunk_size"), wl.block_size, rec.get("cache_blocks"),
+                                                      rec.get("storage_tier", "none"))
+        return wl.clock if same and wl.clock else None
 
     def _admit(self, r: Req, budget: int, busy: bool) -> int:
         """Try to admit r; the tokens scheduled, or 0 when it does not fit."""
@@ -98,7 +180,12 @@ class Replay(BlockPool):
         """Fresh replay state per request; the heap of (arrival, index) of the open-loop ones; and
         index -> the closed-loop requests its finish sends."""
         wl, B, m = self.wl, self.B, self.m
-        reqs = [Req(r.rid, r.arrival, r.prompt_len, r.output, r.chain, r.after, r.gap) for r in wl.reqs]
+        reqs = [Req(r.rid, r.arrival, r.prompt_len, r.output, r.chain, -1 if self.clock else r.after, r.gap, r.rank)
+                for r in wl.reqs]
+        # ranks 0..n-1: the recorded order of first admissions; requests without one after, by arrival
+        for rank, i in enumerate(sorted(range(len(reqs)), key=lambda i: (reqs[i].rank < 0, reqs[i].rank,
+                                                                          reqs[i].arrival, i))):
+            reqs[i].rank = rank
         distinct = wl.distinct()  # a chain without a repeated hash has none in any slice
         for r in reqs:
             r.keys = r.chain[m - 1::m][: r.prompt_len // B]
@@ -114,7 +201,7 @@ class Replay(BlockPool):
 
     def run(self) -> dict:
         reqs, pending, triggered = self._start()
-        waiting: deque = deque()
+        waiting = Waiting(ordered=self.clock is not None)
         running: list = []
         now = pending[0][0] if pending else 0
         done = 0
@@ -123,6 +210,9 @@ class Replay(BlockPool):
             self._arrive(pending, reqs, waiting, now)
             if not waiting and not running:
                 if not pending:
+                    if waiting.blocked():
+                        waiting.unblock()
+                        continue
                     break  # a closed-loop request whose trigger never finished
                 now = pending[0][0]
                 continue
@@ -141,7 +231,7 @@ class Replay(BlockPool):
         return self._summary(reqs, now - t_start)
 
     @staticmethod
-    def _arrive(pending: list, reqs: list, waiting: deque, now: int) -> None:
+    def _arrive(pending: list, reqs: list, waiting: Waiting, now: int) -> None:
         """Move the requests due by now from the heap into the waiting queue."""
         while pending and pending[0][0] <= now:
             t_arr, i = heapq.heappop(pending)
@@ -197,10 +287,13 @@ class Replay(BlockPool):
         kinds = [r.generated == 0 or r.num_tokens - r.computed > 1 for r, _ in sched]
         prefill = sum(n for (r, n), pf in zip(sched, kinds) if pf)
         decode = len(sched) - sum(kinds)
+        k = self.stats["steps"]
         self.stats["steps"] += 1
         self.stats["prefill_tokens"] += prefill
         wait, self.wait_ns = self.wait_ns, 0.0
         self.stats["storage_wait_ns"] = self.stats.get("storage_wait_ns", 0) + int(wait)
+        if self.clock is not None and k < len(self.clock):
+            return now + self.clock[k]   # the recording's step k (its loads' wait included)
         return now + int(a + b * prefill + c * decode + wait)
 
     def _finish(self, sched: list, running: list, reqs: list, triggered: dict, pending: list, now: int) -> int:

@@ -1,7 +1,8 @@
 """The workload `kvtrace whatif` replays, read from a recorded dataset: per request its arrival,
-prompt as a chain of block hashes, output length and who it waited for (a closed-loop client);
-the recorded figures to compare with; the step-duration model fitted to the recorded steps.
-(The model itself: kvtrace/analysis/whatif.py.)"""
+prompt as a chain of block hashes, output length, who it waited for (a closed-loop client) and
+its place in the recorded order of first admissions; the recorded figures to compare with; the
+step-duration model fitted to the recorded steps, and the recorded steps' own times (the clock
+of the replay at the recorded setting).  (The model itself: kvtrace/analysis/whatif.py.)"""
 from __future__ import annotations
 
 import bisect
@@ -29,6 +30,7 @@ class Req:
     chain: list                     # hashes of recorded-size blocks
     after: int = -1                 # index of the request whose finish triggers it (closed loop)
     gap: int = 0
+    rank: int = -1                  # its place in the recorded order of first admissions (-1: unknown)
     # replay state
     keys: list = field(default_factory=list)
     num_tokens: int = 0
@@ -53,6 +55,9 @@ class Workload:
     notes: list
     storage: StorageModel = field(default_factory=StorageModel)
     engine: str = "vllm"            # "sglang": replayed through its radix cache (kvtrace.analysis.whatif_radix)
+    clock: list | None = None       # the recorded steps' times, in order (recorded_clock); None: not known
+    hits: dict = field(default_factory=dict)   # request -> blocks it hit at its first admission, as recorded
+    passes_before: int | None = None           # SGLang's pass count at the attach (whatif_radix.passes_before)
 
     def distinct(self) -> dict:
         """id(chain) -> whether the chain has no hash twice (computed once for every replay)."""
@@ -94,13 +99,16 @@ def _by_req(inp: load.Inputs, table: str, value: str, agg=min) -> dict:
     return out
 
 
-def _first_steps(adm: pa.Table) -> dict:
-    """(run, pid, request) -> the step of its first admission."""
-    first_step = {}
-    for run, pid, rid, att, s in zip(_col(adm, "run", ""), _col(adm, "pid", 0), _col(adm, "request"), _col(adm, "attempt"), _col(adm, "step")):
-        if att == 0:
-            first_step[(run, pid, rid)] = min(first_step.get((run, pid, rid), s), s)
-    return first_step
+def _first_steps(adm: pa.Table) -> tuple[dict, dict]:
+    """(run, pid, request) -> the step of its first admission; and -> the row of that admission
+    (the hook sends a step's admissions in the engine's order)."""
+    first_step, row = {}, {}
+    for i, (run, pid, rid, att, s) in enumerate(zip(_col(adm, "run", ""), _col(adm, "pid", 0), _col(adm, "request"),
+                                                    _col(adm, "attempt"), _col(adm, "step"))):
+        k = (run, pid, rid)
+        if att == 0 and (k not in first_step or s < first_step[k]):
+            first_step[k], row[k] = s, i
+    return first_step, row
 
 
 def _requests(inp: load.Inputs, chains: dict, steps: pa.Table, notes: list) -> tuple[list, list]:
@@ -110,8 +118,12 @@ def _requests(inp: load.Inputs, chains: dict, steps: pa.Table, notes: list) -> t
     out_tokens = _by_req(inp, "finish", "output_tokens", max) if inp.has("finish") and "output_tokens" in inp.present.get("finish", ()) else {}
     st_end = {(r, p, s): e for r, p, s, e in zip(_col(steps, "run", ""), _col(steps, "pid", 0), _col(steps, "step"), _col(steps, "t_end_ns"))}
     st_start = {(r, p, s): e for r, p, s, e in zip(_col(steps, "run", ""), _col(steps, "pid", 0), _col(steps, "step"), _col(steps, "t_start_ns"))}
-    first_step = _first_steps(load.read_table(inp, "admit"))
-    reqs, finish_at = [], []
+    first_step, first_row = _first_steps(load.read_table(inp, "admit"))
+    # when a request finished: the end of the step before its finish record in vLLM (which reports
+    # a request finished in the next step's output), of that step in SGLang (the hook sends it at
+    # the end of the step that finished it)
+    lag = 0 if _engine(inp) == "sglang" else 1
+    reqs, finish_at, admitted = [], [], []
     missing_arrival = 0
     for k, d in chains.items():
         chain = list(itertools.chain.from_iterable(d["parts"][f] for f in sorted(d["parts"])))
@@ -122,11 +134,17 @@ def _requests(inp: load.Inputs, chains: dict, steps: pa.Table, notes: list) -> t
         out = out_tokens.get(k) or d["max_out"] or 1
         reqs.append(Req(k[2], int(arr), int(d["plen"]), int(out), chain))
         fs = finish_step.get(k)
-        finish_at.append(st_end.get((k[0], k[1], fs - 1)) if fs is not None else None)
+        finish_at.append(st_end.get((k[0], k[1], fs - lag)) if fs is not None else None)
+        t_adm = st_start.get((k[0], k[1], first_step.get(k, -1)))
+        admitted.append((t_adm is None, t_adm or 0, first_row.get(k, 0)))
     if missing_arrival:
         notes.append(f"{missing_arrival} requests have no arrive record: they arrive at their recorded first step")
     if not out_tokens:
         notes.append("output lengths are the requests' max_tokens (the finish records carry no output length)")
+    # the recorded order of first admissions (by the admitting step's start, then the engine's
+    # order within the step): the replay admits first admissions in this order (whatif_replay)
+    for rank, i in enumerate(sorted(range(len(reqs)), key=lambda i: (*admitted[i], reqs[i].arrival, reqs[i].rid))):
+        reqs[i].rank = rank
     order = sorted(range(len(reqs)), key=lambda i: (reqs[i].arrival, reqs[i].rid))
     return [reqs[i] for i in order], [finish_at[i] for i in order]
 
@@ -160,8 +178,41 @@ def workload(directory) -> Workload:
     model = fit_steps(steps.filter(pa.array(quiet)) if steps.num_rows and quiet.sum() >= 3 else steps)
     recorded["ttft"] = recorded_ttft(inp, steps)
     engine = recorded["engine"]
-    return Workload(reqs, b0, recorded, model, notes + [f"{closed} of {len(reqs)} requests replayed closed-loop"]
-                    + ([f"storage: {storage.note}"] if storage.note else []), storage, engine)
+    recorded["storage_tier"] = "file" if storage.loads else "none"
+    notes = notes + [f"{closed} of {len(reqs)} requests replayed closed-loop at other settings"]
+    return Workload(reqs, b0, recorded, model, notes + ([f"storage: {storage.note}"] if storage.note else []), storage,
+                    engine, recorded_clock(steps, reqs, finish_at), _first_hits(inp, b0))
+
+
+def _first_hits(inp: load.Inputs, block_size: int) -> dict:
+    """request -> the blocks (local and storage) it hit at its first admission, as recorded."""
+    adm = load.read_table(inp, "admit")
+    out = {}
+    for rid, att, l, e in zip(_col(adm, "request"), _col(adm, "attempt"), _col(adm, "cached_local", 0),
+                              _col(adm, "cached_external", 0)):
+        if att == 0 and rid not in out:
+            out[rid] = ((l or 0) + (e or 0)) // block_size
+    return out
+
+
+def recorded_clock(steps: pa.Table, reqs: list, finish_at: list) -> list | None:
+    """What each recorded step took, in the order they ran: from its start to the next step's
+    start (its execution and the scheduler's work before the next), or to its own end when no
+    request was left in flight after it (the engine then waited for one).  None for a dataset
+    of several engines or without step times."""
+    if steps.num_rows == 0 or len(set(zip(_col(steps, "run", ""), _col(steps, "pid", 0)))) != 1:
+        return None
+    rows = sorted(zip(_col(steps, "t_start_ns", 0), _col(steps, "t_end_ns", 0)))
+    if any(a is None or b is None or b < a for a, b in rows):
+        return None
+    arrived = sorted(r.arrival for r in reqs)
+    done = sorted(f if f else float("inf") for f in finish_at)
+    clock = []
+    for k, (t0, t1) in enumerate(rows):
+        nxt = rows[k + 1][0] if k + 1 < len(rows) else None
+        busy = bisect.bisect_right(arrived, t1) - bisect.bisect_right(done, t1)
+        clock.append(nxt - t0 if nxt is not None and nxt >= t1 and busy > 0 else t1 - t0)
+    return clock
 
 
 def _engine(inp: load.Inputs) -> str:
@@ -187,6 +238,17 @@ def recorded_ttft(inp: load.Inputs, steps: pa.Table) -> dict:
     if not ttft:
         return {"p50_ns": None, "p90_ns": None}
     return {"p50_ns": ttft[(len(ttft) + 1) // 2 - 1], "p90_ns": ttft[max(-(-len(ttft) * 9 // 10) - 1, 0)]}
+
+
+def _new_token_ratio(inp: load.Inputs) -> float | None:
+    """SGLang's new_token_ratio (its estimate of the share of max_new_tokens a running request
+    will still decode, which admission reserves), the median of the scraped gauge."""
+    if not inp.has("sglang_metrics"):
+        return None
+    m = load.read_table(inp, "sglang_metrics")
+    vals = sorted(v for n, v in zip(_col(m, "name"), _col(m, "value"))
+                  if n == "sglang:new_token_ratio" and v is not None)
+    return float(vals[len(vals) // 2]) if vals else None
 
 
 def _recorded_cache_blocks(inp: load.Inputs) -> int | None:
@@ -231,7 +293,8 @@ def recorded_figures(inp: load.Inputs, steps: pa.Table, b0: int) -> dict:
             "cache_blocks_from": ("sglang:max_total_num_tokens" if sglang else "vllm:cache_config_info") if cache_blocks
             else "most free slots seen" if sglang else "most free blocks seen + the null block",
             "hit_rate": (local + ext) / prompt if prompt else None, "hit_local": local, "hit_external": ext,
-            "prompt_tokens": prompt, "evictions": ev, "preemptions": pre}
+            "prompt_tokens": prompt, "evictions": ev, "preemptions": pre,
+            "new_token_ratio": _new_token_ratio(inp) if sglang else None}
 
 
 def fit_steps(steps: pa.Table) -> tuple:

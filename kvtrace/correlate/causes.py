@@ -2,7 +2,7 @@
 and every token of every admission given exactly one cause (docs/analysis.md, "Miss causes").
 
 The replay keeps, per engine, which block hashes are in the prefix cache (the snapshot the hook
-sends when an agent attaches, then every block a chunk completes, every hit, every eviction),
+sent when this capture began, then every block a chunk completes, every hit, every eviction),
 which running requests are still computing which blocks, and when and by whom each block was
 evicted.  At each admission, in vLLM's own order within a step (finished and preempted requests
 leave, running requests allocate, then each admission looks up and allocates), the tokens of the
@@ -23,6 +23,10 @@ prompt (or of the prefill after a preemption) are split:
     miss_unseen                not seen stored in this run, and the server had served before the
                                agent attached (it may have been stored and evicted then), or removed
                                in a way the hook does not see (a prefix-cache reset)
+  Cold against unseen is decided by the snapshot at the attach: the run's first.  The hook sends
+  another whenever another agent arrives on the host (it cannot tell one tracing this server
+  from one tracing other processes); such a later snapshot says how the cache stood then, not
+  before the run, and is ignored (docs/hook.md, "The cache snapshot").
   a block that is cached but follows a missed one (vLLM's lookup stops at the first miss) takes
   the cause of the first missed block.
 
@@ -66,6 +70,7 @@ class Segment:
 class _Engine:
     block_size: int = 0
     fresh: bool | None = None
+    snapshot_ns: int | None = None   # the snapshot at the attach (the run's first): it alone decides fresh
     radix: bool = False     # SGLang's radix cache: a step's chunks are matchable only after it
     present: set = field(default_factory=set)
     plain_of: dict = field(default_factory=dict)       # cached hash -> its hash without extra keys
@@ -106,8 +111,13 @@ class CacheReplay:
         for r in lookup:
             self.engines[r["pid"]].lookups.setdefault(r["request"], {})[int(r["attempt"])] = (bool(r["skipped"]),
                                                                                              bool(r["keyed"]))
-        for r in cached:
+        for r in sorted(cached, key=_snap_time):
             e = self.engines[r["pid"]]
+            t = _snap_time(r)
+            if e.snapshot_ns is None:
+                e.snapshot_ns = t
+            elif t != e.snapshot_ns:
+                continue   # a later snapshot (another agent's attach): the run's first decided
             if r["first"] == 0:
                 e.fresh = {0: True, 1: False}.get(int(r["served"]))
             for h in r["hashes"]:
@@ -263,6 +273,10 @@ def _same(last: Segment, detail: dict) -> bool:
     same computing request, or neither)."""
     return (last.evict_ns == detail.get("evict_ns", 0) and last.evicted_by == detail.get("evicted_by", "")
             and last.computing == detail.get("computing", ""))
+
+
+def _snap_time(r: dict) -> int:
+    return int(r.get("t_ns") or 0)
 
 
 def _put(d: dict, request: str, first: int, hashes) -> None:

@@ -36,7 +36,7 @@ class _Sglang:
     """The scheduler's state, reset whenever the agent goes away."""
 
     __slots__ = ("on", "rec", "step", "t0", "t_sched", "cur_req", "reqs", "done", "ev", "evicted", "retracted",
-                 "admits", "seen_check", "agent_pid", "version", "page")
+                 "admits", "seen_check", "agents", "version", "page")
 
     def __init__(self):
         self.version, self.page = "", 1
@@ -52,7 +52,7 @@ class _Sglang:
         self.evicted = self.retracted = 0
         self.admits = [0, 0]                # new, resumed admissions of the step
         self.seen_check = 0
-        self.agent_pid = ""
+        self.agents: frozenset = frozenset()
 
 
 G = _Sglang()

@@ -71,7 +71,7 @@ class _Engine:
     """EngineCore state, reset whenever the agent goes away."""
 
     __slots__ = ("on", "rec", "step", "cur_req", "last_alloc", "reqs", "alloc", "steps", "evicted", "ev",
-                 "alloc_failures", "broken", "seen_check", "agent_pid", "counting")
+                 "alloc_failures", "broken", "seen_check", "agents", "counting")
 
     def __init__(self):
         self.counting = False   # the hook numbers the steps (engine._schedule_pre_counting); kept over resets
@@ -91,18 +91,18 @@ class _Engine:
         self.alloc_failures = 0
         self.broken = ""
         self.seen_check = 0
-        self.agent_pid = ""
+        self.agents: frozenset = frozenset()   # the agents attached at the last flag check (_new_agent)
 
 
 class _Worker:
-    __slots__ = ("active", "on", "seen_check", "agent_pid", "seq", "depth", "source", "t_bind", "load_t0",
+    __slots__ = ("active", "on", "seen_check", "agents", "seq", "depth", "source", "t_bind", "load_t0",
                  "load_t1", "waits", "wait_ns", "last_wait_end")
 
     def __init__(self):
         self.active = False
         self.on = False
         self.seen_check = 0
-        self.agent_pid = ""
+        self.agents: frozenset = frozenset()
         self.seq = 0
         self.depth = 0
         self.source = ""
@@ -179,25 +179,31 @@ def _hook_start(role: str, engine: str = "vllm", version: str | None = None, blo
     _last["stats"] = 0  # a hook_stats with the first flush
 
 
-def _agent_pid() -> str:
-    """The attached agents, as one string (a change means a new agent)."""
+def _agents() -> frozenset | None:
+    """The attached agents, by the pid naming their flag entry (None: the flag could not be read)."""
     try:
-        return ",".join(map(str, agent_pids(T.flag_path)))
+        return frozenset(agent_pids(T.flag_path))
     except Exception:
-        return ""
+        return None
 
 
 def _new_agent(state) -> bool:
-    """True (once) when the transport re-checked the flag and it names another agent than before:
-    a new agent needs its own hook_start.  Runs at most once per Transport re-check (1 s)."""
+    """True (once) when the transport re-checked the flag and it names an agent that was not
+    attached at the previous check: that agent's capture needs its own hook_start and the cache
+    snapshot at its attach (the hook cannot tell an agent tracing this process from one tracing
+    others: the flag entry names only the agent).  An agent leaving is no reason: nothing is sent
+    then (each capture's cold against unseen is decided by the first snapshot it recorded,
+    kvtrace.correlate.causes; docs/hook.md, "The cache snapshot").  Runs at most once per
+    Transport re-check (1 s)."""
     if T.next_check == state.seen_check:
         return False
     state.seen_check = T.next_check
-    pid = _agent_pid()
-    if pid == state.agent_pid:
+    now = _agents()
+    if now is None:   # (unread: judged at the next check, against the agents known before)
         return False
-    state.agent_pid = pid
-    return True
+    new = not now <= state.agents
+    state.agents = now
+    return new
 
 
 def _vllm_version() -> str:

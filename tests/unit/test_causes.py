@@ -169,3 +169,52 @@ def test_a_finished_request_leaves_nothing_behind_after_its_chunks_are_read():
     run.do(chunks=[("B", 0, 4, 4)], finishes=["B"])
     run.do()
     assert not run.replay.kept and not e.chains and not e.running and not e.pending
+
+
+def _cold_run_with_a_later_snapshot(later: str) -> Run:
+    """A fresh server (the snapshot at the attach says it never served), prompts evicting each
+    other, and in the middle another agent's arrival: its hook_start and a snapshot of the cache
+    then, which says the server has served (and, for vLLM, lists what is cached).  ``later``:
+    "none" (no such agent), "offline" (the whole run read at once, the later snapshot among the
+    structure rows from the start) or "live" (it reaches the replay in the pass it was sent in)."""
+    run = Run()   # its snapshot at the attach: served 0
+    snap = lambda hashes: [{"pid": PID, "t_ns": 5_000_000, "first": 0, "served": 1, "hashes": hashes}]  # noqa: E731
+    a, b, c = chain("a", 3), chain("b", 3), chain("c", 3)
+    if later == "offline":
+        run.replay.structure(cached=snap(a[:1] + b))
+    run.prompt("A", a)
+    run.do(admits=[("A", 0, 13, 0, 0)], chunks=[("A", 0, 0, 13)], finishes=["A"])
+    run.prompt("B", b)
+    run.do(admits=[("B", 0, 13, 0, 0)], chunks=[("B", 0, 0, 13)], evicts=[(a[2], "B"), (a[1], "B")], finishes=["B"])
+    if later == "live":
+        run.replay.structure(cached=snap(a[:1] + b))
+    run.prompt("C", c)           # never stored anywhere: cold
+    run.do(admits=[("C", 0, 13, 0, 0)], chunks=[("C", 0, 0, 13)], evicts=[(a[0], "C"), (b[2], "C")], finishes=["C"])
+    run.prompt("A2", a)          # A's blocks, evicted since
+    run.do(admits=[("A2", 0, 13, 0, 0)], chunks=[("A2", 0, 0, 13)])
+    return run
+
+
+def test_another_agents_snapshot_does_not_change_the_causes():
+    """Cold against unseen is decided by the snapshot at the attach (the run's first): a later
+    one, sent because another agent (say, one tracing other processes) arrived after the server
+    had served, changes no cause, whether it is read with the whole run or live, pass by pass."""
+    base = _cold_run_with_a_later_snapshot("none")
+    assert base.causes("C") == {"miss_cold": 12, "miss_tail": 1}
+    assert base.causes("A2") == {"miss_evicted": 12, "miss_tail": 1}
+    for later in ("offline", "live"):
+        run = _cold_run_with_a_later_snapshot(later)
+        for req in ("A", "B", "C", "A2"):
+            assert run.causes(req) == base.causes(req), (later, req)
+        assert not [s for s in run.segments if s.cause == "miss_unseen"], later
+        assert run.replay.engines[PID].fresh is True
+
+
+def test_a_run_without_a_snapshot_takes_the_first_one_it_gets():
+    """A snapshot that comes after the fallback (fresh from the first step) decided still
+    decides, as before: the fallback is not a snapshot."""
+    replay = CacheReplay()
+    replay.set_fresh(PID, False)
+    replay.structure(cached=[{"pid": PID, "t_ns": 9, "first": 0, "served": 0, "hashes": []}])
+    replay.structure(cached=[{"pid": PID, "t_ns": 20, "first": 0, "served": 1, "hashes": []}])
+    assert replay.engines[PID].fresh is True
