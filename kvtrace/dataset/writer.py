@@ -104,10 +104,8 @@ def check_out_dir(root: Path) -> None:
     sudo caller's), and nobody else can write in it (they could plant links at its file names)."""
     try:
         st = os.lstat(root)
-    except FileNotFoundError:
-        return
-    except OSError as e:
-        raise OutputError(f"cannot use output directory {shown(root)}: {e.strerror}") from None
+    except OSError:
+        return      # not there (or not reachable): making it says why, if it cannot be made
     mine = {os.geteuid()} | ({int(os.environ["SUDO_UID"])} if os.environ.get("SUDO_UID", "").isdigit() else set())
     why = ("it is a symbolic link" if stat.S_ISLNK(st.st_mode) else "it is not a directory" if not stat.S_ISDIR(st.st_mode)
            else f"it belongs to uid {st.st_uid}" if st.st_uid not in mine
