@@ -21,8 +21,11 @@ record has it, else the request's ``max_output``), and when it finished (the ste
   loaded nothing, plus the time its admissions wait for blocks loaded from the storage tier
   (kvtrace.analysis.whatif_storage: per block, the connector's recorded own work plus the read
   at the recorded speed or at ``@READ_GBPS[/LATENCY_US]``).
-* Arrivals: a request sent within 100 ms of another's finish is replayed as sent that long after
-  that request finishes in the replay (a closed-loop client); others keep their recorded time.
+* At the recorded setting the replay keeps the recording's time: recorded arrivals, the recorded
+  steps' lengths, first admissions in the recorded order (it gives the recorded run back).
+* At any other setting, arrivals: a request sent within 100 ms of another's finish is replayed as
+  sent that long after that request finishes in the replay (a closed-loop client); others keep
+  their recorded time (docs/analysis.md, "The replay's order").
 
 An SGLang dataset (its hook's engine records) is replayed through a model of SGLang's radix
 cache and scheduler instead: kvtrace.analysis.whatif_radix.
