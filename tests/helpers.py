@@ -89,17 +89,25 @@ def engine_venv_skip_reason(py: str, engine: str, group: str, timeout: float = 1
     return None
 
 
-def link_tree(src: Path, dst: Path) -> None:
+def link_tree(src: Path, dst: Path, hard: bool = False) -> None:
     """dst: src's directories made again, its files as links to src's (no __pycache__), so a test
-    can replace one file with a changed copy."""
+    can replace one file with a changed copy.  ``hard``: hard links (copies across filesystems),
+    for a tree kvtrace reads from outside, where it follows no symbolic link."""
     import os
+    import shutil
 
     for dirpath, dirnames, filenames in os.walk(src):
         rel = Path(dirpath).relative_to(src)
         (dst / rel).mkdir(parents=True, exist_ok=True)
         dirnames[:] = [d for d in dirnames if d != "__pycache__"]
         for f in filenames:
-            (dst / rel / f).symlink_to(Path(dirpath) / f)
+            if not hard:
+                (dst / rel / f).symlink_to(Path(dirpath) / f)
+                continue
+            try:
+                os.link(Path(dirpath) / f, dst / rel / f)
+            except OSError:
+                shutil.copy2(Path(dirpath) / f, dst / rel / f)
 
 
 def tree_state(d) -> list:

@@ -190,14 +190,14 @@ def shadow_vllm(site: Path, dst: Path) -> Path:
     """A vLLM package at dst/.../site-packages/vllm whose files are links to ``site``'s, but for
     a changed copy of the scheduler; the server imports it through PYTHONPATH."""
     root = dst / "lib" / "python3.11" / "site-packages"
-    helpers.link_tree(site / "vllm", root / "vllm")
+    helpers.link_tree(site / "vllm", root / "vllm", hard=True)
     sched = root / "vllm/v1/core/sched/scheduler.py"
     text = sched.read_text()
     old = "        self, request: Request, timestamp: float, drop_stale_output: bool = False\n    ) -> None:\n"
     assert text.count(old) == 1
     doc_end = text.index('"""', text.index('"""', text.index(old)) + 3) + 3
     text = text[:doc_end] + "\n        request = req" + text[doc_end:]
-    sched.unlink()
+    sched.unlink()   # a hard link: the real file stays as it was
     sched.write_text(text.replace(old, old.replace("request: Request", "req: Request")))
     return root
 
