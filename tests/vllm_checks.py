@@ -12,8 +12,8 @@ from collections import Counter
 
 def events(evs) -> list[dict]:
     """A batch's events as maps with their "type", from either of vLLM's encodings (tagged maps;
-    before about 0.21, arrays whose first item is the tag: kvtrace.vllm.kvdecode.FIELDS)."""
-    from kvtrace.vllm.kvdecode import FIELDS
+    before about 0.21, arrays whose first item is the tag: kvtrace.servers.kvdecode.FIELDS)."""
+    from kvtrace.servers.kvdecode import FIELDS
 
     out = []
     for ev in evs:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from kvtrace.analysis.render import Col, Term
+from kvtrace.servers import registry
 
 def kv_label(info) -> str:
     kv = info.kv_events
@@ -19,8 +20,7 @@ def kv_label(info) -> str:
 
 def engine(info) -> str:
     """"vLLM 0.32.0", "SGLang 0.5.23"."""
-    name = "SGLang" if getattr(info, "engine", "vllm") == "sglang" else "vLLM"
-    return f"{name} {info.vllm_version or '?'}"
+    return f"{registry.kind(info.kind).title} {info.version or '?'}"
 
 
 def where(info) -> str:

@@ -19,7 +19,7 @@ import psutil
 
 from kvtrace.capture import fdopen
 from kvtrace.host import netns
-from kvtrace.vllm import discover as found
+from kvtrace.servers import discover as found
 
 MODES = ("exit", "follow")
 

@@ -6,8 +6,8 @@ import click
 
 from kvtrace.errors import TargetError, UsageError
 from kvtrace.attach.listing import render
-from kvtrace.vllm import discover as found
-from kvtrace.vllm import hooksupport
+from kvtrace.servers import discover as found
+from kvtrace.servers import hooksupport
 
 
 def choose_server(port: int | None, yes: bool):

@@ -49,7 +49,7 @@ class Capture:
     pids: list[int]
     out: str
     command: list[str] = field(default_factory=list)
-    server: object | None = None     # kvtrace.vllm.discover.VllmServerInfo
+    server: object | None = None     # kvtrace.servers.info.ServerInfo
     duration: float | None = None
     flush_interval: float = 1.0
     sampling: object = "auto"
@@ -123,7 +123,7 @@ def _verdict(server, cap: Capture) -> dict | None:
     """The hook's checks of the server's vLLM files, before anything is injected."""
     if server is None or not cap.inject:
         return None
-    from kvtrace.vllm import hooksupport  # lazy: start-up cost: the CLI imports attach's options for every command
+    from kvtrace.servers import hooksupport  # lazy: start-up cost: the CLI imports attach's options for every command
 
     return hooksupport.verdict(server)
 

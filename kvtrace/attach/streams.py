@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import sys
-from kvtrace.vllm import kvevents, kvpeer
-from kvtrace.vllm.metrics import MetricsScraper
+from kvtrace.servers import kvevents, kvpeer, registry
+from kvtrace.servers.metrics import MetricsScraper
 
 
 def _stderr(line: str) -> None:
@@ -66,10 +66,9 @@ def start_vllm_streams(server, kv_events: str | None, kv_replay: str | None, met
         notes.append("no kv_events (the server was started without --kv-events-config)")
     url = metrics_url or (server.metrics_url if server is not None else None)
     if url:
-        sglang = getattr(server, "engine", "vllm") == "sglang"
-        table = "sglang_metrics" if sglang else "vllm_metrics"
-        scraper = MetricsScraper(url, interval=metrics_interval, netns=ns, table=table,
-                                 prefixes=("sglang:",) if sglang else ("vllm:",))
+        kind = registry.kind(server.kind) if server is not None else registry.kind("vllm")
+        table = f"{kind.name}_metrics"
+        scraper = MetricsScraper(url, interval=metrics_interval, netns=ns, table=table, prefixes=(kind.metrics_prefix,))
         for w in scraper.start():
             echo(f"kvtrace: warning: {w}")
         sidecars.append(scraper)
@@ -77,6 +76,6 @@ def start_vllm_streams(server, kv_events: str | None, kv_replay: str | None, met
     if notes and ns:
         notes.append(f"inside the server's network namespace {server.netns_id}")
     if notes:
-        name = "SGLang" if getattr(server, "engine", "vllm") == "sglang" else "vLLM"
-        echo(f"kvtrace: {name} streams: " + "; ".join(notes))
+        name = f"{registry.kind(server.kind).title} " if server is not None else ""
+        echo(f"kvtrace: {name}streams: " + "; ".join(notes))
     return sidecars

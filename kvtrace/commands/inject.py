@@ -15,7 +15,7 @@ from kvtrace.host import privileges
 
 
 def find_server(pid: int):
-    from kvtrace.vllm.discover import discover  # lazy: start-up cost: the CLI imports every command's module (cli._register)
+    from kvtrace.servers.discover import discover  # lazy: start-up cost: the CLI imports every command's module (cli._register)
 
     for server in discover():
         if pid in server.pids:
@@ -37,6 +37,7 @@ def command(pid: int, remove: bool, status_only: bool, timeout: float, as_json: 
 
     from kvtrace.inject import injector  # lazy: start-up cost: the CLI imports every command's module (cli._register)
     from kvtrace.inject.session import engine_label  # lazy: start-up cost, as above
+    from kvtrace.servers import registry  # lazy: start-up cost, as above
 
     if os.geteuid() != 0 and not privileges.has_cap(privileges.CAP_SYS_PTRACE):
         raise PrivilegeError("injection needs root or CAP_SYS_PTRACE: run with sudo (target untouched)")
@@ -47,15 +48,16 @@ def command(pid: int, remove: bool, status_only: bool, timeout: float, as_json: 
     checked = None
     if action == "install":
         from kvtrace.hook import support  # lazy: start-up cost, as above
-        from kvtrace.vllm import hooksupport  # lazy: start-up cost, as above
+        from kvtrace.servers import hooksupport  # lazy: start-up cost, as above
 
         checked = hooksupport.verdict(server)
         if checked is not None and not checked["supported"]:
             click.echo(f"kvtrace: {engine_label(server)} {checked['version'] or '?'} refused by the hook: {support.reason(checked)}", err=True)
             return 1
     rows = []
-    for p, role in [(p, "engine") for p in server.engine_pids] + [(p, "worker") for p in server.worker_pids]:
-        rep = injector.hook(p, action, timeout, checked=checked, engine=getattr(server, "engine", "vllm"),
+    kind = registry.kind(server.kind)
+    for p, role in kind.hook_pids(server):
+        rep = injector.hook(p, action, timeout, checked=checked, module=kind.hook_module,
                              owned=False)   # by hand: it stays until `--remove`
         st = rep.get("status") or {}
         rows.append({"pid": p, "role": role, "installed": st.get("installed"), "reused": rep.get("reused"),

@@ -14,8 +14,8 @@ def command(as_json: bool) -> int:
     (and the first thing that differs where it does not), KV-event endpoint, kvtrace plugin.  A
     process that could not be inspected (its reads did not return in time, or a file of its
     environment is not safe to read) is listed as `pid N: unreadable (reason)`."""
-    from kvtrace.vllm.discover import discover  # lazy: start-up cost: the CLI imports every command's module (cli._register)
-    from kvtrace.vllm import hooksupport  # lazy: start-up cost, as above
+    from kvtrace.servers.discover import discover  # lazy: start-up cost: the CLI imports every command's module (cli._register)
+    from kvtrace.servers import hooksupport  # lazy: start-up cost, as above
 
     servers = discover()
     unreadable = getattr(servers, "unreadable", [])

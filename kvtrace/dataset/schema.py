@@ -66,14 +66,14 @@ TABLES: dict[str, pa.Schema] = {
     "processes": pa.schema([
         ("ts_ns", u64), ("pid", u32), ("tid", u32), ("event", d), ("child_pid", u32), ("comm", d),
     ]),
-    # vLLM's KV-event stream (kvtrace.vllm.kvevents): one row per block of each event.
+    # vLLM's KV-event stream (kvtrace.servers.kvevents): one row per block of each event.
     "kv_events": pa.schema([
         ("recv_ns", u64), ("seq", i64), ("batch_wall_ns", i64), ("dp_rank", i32), ("event_idx", u32),
         ("event", d), ("block_idx", u32), ("block_hash", u64), ("parent_hash", u64), ("token_count", u32),
         ("tokens_hash", u64), ("block_size", u32), ("medium", s), ("group_idx", i32), ("spec_kind", s),
         ("lora_id", i64), ("lora_name", s), ("session_id", s), ("replayed", b),
     ]),
-    # vLLM's Prometheus /metrics, vllm:* samples per scrape (kvtrace.vllm.metrics).
+    # vLLM's Prometheus /metrics, vllm:* samples per scrape (kvtrace.servers.metrics).
     "vllm_metrics": pa.schema([
         ("ts_ns", u64), ("name", s), ("labels", s), ("value", f64), ("type", s),
     ]),

@@ -167,7 +167,7 @@ def _fabric(root: str = "/") -> list[Check]:
 
 def _servers() -> list[Check]:
     """Each vLLM server found here: its vLLM version and whether the hook supports it."""
-    from kvtrace.vllm import discover, hooksupport  # lazy: discovery walks /proc, only doctor's last rows need it
+    from kvtrace.servers import discover, hooksupport  # lazy: discovery walks /proc, only doctor's last rows need it
 
     out = []
     for info in discover.discover():

@@ -69,3 +69,11 @@ def reason(verdict: dict, roles=("engine", "worker")) -> str:
     """Why the hook refuses this vLLM (empty when it does not), in one line."""
     bad = [d for r in roles for d in verdict["roles"].get(r, [])]
     return first(list(dict.fromkeys(bad)))
+
+
+def check_vllm(root: str) -> dict:
+    return check(root, "vllm")
+
+
+def check_sglang(root: str) -> dict:
+    return check(root, "sglang")

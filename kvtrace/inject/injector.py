@@ -84,8 +84,8 @@ def _remote_exec(pid: int, inner_path: str, timeout: float) -> None:
 
 
 def hook(pid: int, action: str = "install", timeout: float = 10.0, checked: dict | None = None,
-         engine: str = "vllm", owned: bool = True) -> dict:
-    """Install or uninstall the hook of ``engine`` ("vllm", "sglang") in pid; returns the loader's
+         *, module: str, owned: bool = True) -> dict:
+    """Install or uninstall the hook ``module`` (a server kind's ``hook_module``) in pid; returns the loader's
     report.  ``checked``: the verdict on the target's source (kvtrace.hook.support.check), which
     the hook uses instead of reading that source again while the target waits.  ``owned``: a
     hook this call installs leaves when this process exits (attach); else it stays until removed."""
@@ -100,7 +100,7 @@ def hook(pid: int, action: str = "install", timeout: float = 10.0, checked: dict
             raise TargetError(f"process {pid}: the hook is not staged: {e}") from None
         try:
             code = loader.render(st.files, f"{st.inner}/{stage.RESULT_DIR}/{RESULT}", action,
-                                 owner=os.getpid() if owned else 0, checked=checked, engine=engine)
+                                 owner=os.getpid() if owned else 0, checked=checked, module=module)
             return run(pid, st, code, minor, timeout)
         finally:
             st.close()

@@ -96,18 +96,16 @@ BOOTSTRAP = ("(lambda h,p,d:(lambda b:exec(compile(b,p,'exec'),{'__name__':'kvtr
              "if h.sha256(b).hexdigest()==d else None)(open(p,'rb').read(1<<20)))(__import__('hashlib'),@PATH@,@DIGEST@)")
 
 
-MODULES = {"vllm": "kvtrace.hook.vllm_hook", "sglang": "kvtrace.hook.sglang_hook"}
-
-
 def render(files: dict, result_path: str, action: str, owner: int = 0, checked: dict | None = None,
-           engine: str = "vllm") -> str:
+           *, module: str) -> str:
     """The loader's code.  files: module name -> [path inside the target, sha256, is a package,
     bytecode path or "", its sha256] (kvtrace.inject.stage.Staged.files).  owner: the agent's pid;
     a hook this injection installs removes itself when it exits (a hook that was already there,
     e.g. the plugin's, stays).  checked: the agent's verdict on the target's source
-    (kvtrace.hook.support.check), or None.  engine: whose hook module ("vllm", "sglang")."""
+    (kvtrace.hook.support.check), or None.  module: the hook module to import and run ``action`` of
+    (the server kind's ``hook_module``, kvtrace.servers.kind)."""
     return (TEMPLATE.replace("@FILES@", repr({k: list(v) for k, v in files.items()}))
-            .replace("@RESULT@", json.dumps(result_path)).replace("@MODULE@", json.dumps(MODULES[engine]))
+            .replace("@RESULT@", json.dumps(result_path)).replace("@MODULE@", json.dumps(module))
             .replace("@ACTION@", json.dumps(action)).replace("@OWNER@", str(int(owner)))
             .replace("@CHECKED@", repr(_plain(checked))))
 

@@ -3,7 +3,7 @@ a capture, and take it out again at the end.
 
 Only processes discovery identified as the EngineCore or a Worker of a vLLM API server are
 ever touched, and only when the server's vLLM passes the hook's checks, read from its files
-beforehand (kvtrace.vllm.hooksupport, handed in as ``checked``): a vLLM that differs is refused in one line naming the
+beforehand (kvtrace.servers.hooksupport, handed in as ``checked``): a vLLM that differs is refused in one line naming the
 first difference, and nothing is injected.  A process where injection fails is reported with
 the reason.  Either way the rest of the capture goes on without the hook.
 """
@@ -17,6 +17,7 @@ from kvtrace.errors import KvtraceError, TargetError
 from kvtrace.hook import support
 from kvtrace.host.confined import UnsafePath
 from kvtrace.inject import injector
+from kvtrace.servers import registry
 
 SIGNALS = "steps, chunks, hits, evictions, preemptions, KV connector loads and stores"
 
@@ -32,21 +33,19 @@ class Injected:
 
 @dataclass
 class InjectionSession:
-    server: object  # kvtrace.vllm.discover.VllmServerInfo
+    server: object  # kvtrace.servers.info.ServerInfo
     timeout: float = 10.0
     results: list[Injected] = field(default_factory=list)
     checked: dict | None = None   # kvtrace.hook.support.check of the server's vLLM
     skip: dict = field(default_factory=dict)   # pid -> why it is not injected
 
     def targets(self) -> list[tuple[int, str]]:
-        both = [(p, "engine") for p in self.server.engine_pids] + [(p, "worker") for p in self.server.worker_pids]
-        return [(p, r) for p, r in both if p not in self.skip]
+        return [(p, r) for p, r in registry.kind(self.server.kind).hook_pids(self.server) if p not in self.skip]
 
     def install(self) -> list[Injected]:
         if not self.targets():
             raise TargetError(f"{engine_label(self.server)} server {self.server.pid} has no "
-                              f"{'scheduler' if getattr(self.server, 'engine', 'vllm') == 'sglang' else 'EngineCore or Worker'}"
-                              " process to inject into")
+                              f"{registry.kind(self.server.kind).hooked} process to inject into")
         for pid, role in self.targets():
             self.results.append(self._one(pid, role, "install"))
         return self.results
@@ -54,7 +53,7 @@ class InjectionSession:
     def _one(self, pid: int, role: str, action: str) -> Injected:
         try:
             rep = injector.hook(pid, action, self.timeout, checked=self.checked if action == "install" else None,
-                                engine=getattr(self.server, "engine", "vllm"))
+                                module=registry.kind(self.server.kind).hook_module)
         except KvtraceError as e:
             return Injected(pid, role, False, reason=str(e))
         if rep.get("error"):
@@ -80,8 +79,8 @@ class InjectionSession:
 
 
 def engine_label(server) -> str:
-    """"vLLM" or "SGLang", as messages name the server's engine."""
-    return "SGLang" if getattr(server, "engine", "vllm") == "sglang" else "vLLM"
+    """"vLLM" or "SGLang": the server kind's title, as messages name it."""
+    return registry.kind(server.kind).title
 
 
 def inject_hook(server, inject: bool, usermark: bool, echo, flag=None, checked: dict | None = None) -> InjectionSession | None:

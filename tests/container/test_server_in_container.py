@@ -14,6 +14,9 @@ import pytest
 
 from kvtrace.dataset.reader import Dataset
 from kvtrace.inject import injector
+from kvtrace.servers import registry
+
+VLLM_HOOK = registry.kind("vllm").hook_module
 from tests.container.conftest import check_run, traced_workload
 from tests.vllm.test_streams import scrape_value
 from tests.vllm_checks import check_evictions, check_requests, removed_hashes
@@ -23,7 +26,7 @@ pytestmark = pytest.mark.root
 
 def hook_installed(ctr) -> list[bool]:
     procs = ctr.processes()
-    return [injector.hook(p, "status")["status"]["installed"] for p in procs["engine"] + procs["workers"]]
+    return [injector.hook(p, "status", module=VLLM_HOOK)["status"]["installed"] for p in procs["engine"] + procs["workers"]]
 
 
 def test_servers_finds_the_container_with_host_pids_and_its_own_port(vllm_container):
@@ -36,7 +39,7 @@ def test_servers_finds_the_container_with_host_pids_and_its_own_port(vllm_contai
     assert (mine["engine_pids"], mine["worker_pids"]) == (procs["engine"], procs["workers"])
     assert mine["port"] == 8000 and mine["in_container"] is True
     assert mine["netns"] == ctr.netns and mine["netns_id"] == os.readlink(ctr.netns)
-    assert mine["vllm_version"] and mine["kv_events"]["endpoint"] == "tcp://*:5557"
+    assert mine["version"] and mine["kv_events"]["endpoint"] == "tcp://*:5557"
 
 
 def test_attach_from_the_host(vllm_container, tmp_path):

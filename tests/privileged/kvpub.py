@@ -1,5 +1,5 @@
 """A stand-in KV-event publisher for tests, run as its own process: vLLM's PUB frames
-[topic, seq, msgpack batch] (kvtrace.vllm.kvevents), one BlockStored event per batch whose
+[topic, seq, msgpack batch] (kvtrace.servers.kvevents), one BlockStored event per batch whose
 block hash is ``hash + seq``; optionally a replay ROUTER answering vLLM's replay requests.
 
     python kvpub.py '{"endpoint": "tcp://127.0.0.1:5600", "bind": false, "first": 100, "hash": 10**6,

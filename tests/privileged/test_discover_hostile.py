@@ -103,7 +103,7 @@ def test_an_absolute_directory_link_resolves_inside_the_container(tmp_path, cont
     try:
         rows, text = _servers()
         (mine,) = [s for s in rows if s["pid"] == pid]
-        assert mine["vllm_version"] == "1.2.3" and mine["in_container"] is True and mine["unreadable"] is None
+        assert mine["version"] == "1.2.3" and mine["in_container"] is True and mine["unreadable"] is None
         assert mine["site_packages"] == "/srv/site"
         assert HOST_MARKER not in text
     finally:

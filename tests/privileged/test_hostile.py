@@ -18,6 +18,9 @@ from kvtrace.attach.agentflag import AgentFlag
 from kvtrace.errors import TargetError
 from kvtrace.host.confined import UnsafePath
 from kvtrace.inject import injector, stage
+from kvtrace.servers import registry
+
+VLLM_HOOK = registry.kind("vllm").hook_module
 from tests.helpers import tree_state
 
 pytestmark = pytest.mark.root
@@ -73,7 +76,7 @@ def test_a_planted_staging_directory_never_runs_in_the_server(planted, server_ui
     marker, d, before = planted
     p = _started(["/usr/bin/python3", "-c", SLEEPER], preexec_fn=_as(server_uid) if server_uid else None, cwd="/")
     try:
-        rep = injector.hook(p.pid, "install", timeout=20)
+        rep = injector.hook(p.pid, "install", timeout=20, module=VLLM_HOOK)
     finally:
         p.kill()
         p.wait()
@@ -134,7 +137,7 @@ def _child(pid: int) -> int:
 def test_a_container_linking_tmp_out_is_refused_in_one_line(container):
     pid, victims, before = container
     with pytest.raises(TargetError) as e:
-        injector.hook(pid, "install", timeout=20)
+        injector.hook(pid, "install", timeout=20, module=VLLM_HOOK)
     assert str(e.value) == (f"process {pid}: the hook is not staged: /proc/{pid}/root/tmp: not used, "
                             "it is, or passes through, a symbolic link")
     assert [tree_state(v) for v in victims] == before
@@ -162,7 +165,7 @@ def test_a_container_with_its_own_tmp_gets_the_hook_and_keeps_nothing(tmp_path):
     p = _started(["unshare", "--mount", "--propagation", "private", "--fork", "sh", "-c", inner])
     pid = _child(p.pid)
     try:
-        rep = injector.hook(pid, "install", timeout=20)
+        rep = injector.hook(pid, "install", timeout=20, module=VLLM_HOOK)
         assert "error" not in rep and rep["hook_file"].startswith("/tmp/kvtrace-"), rep
         assert rep["status"]["reason"] == "no role in process 'MainProcess'"
         assert os.listdir(root / "tmp") == []

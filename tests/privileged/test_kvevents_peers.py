@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtrace.vllm.kvevents import KvEventSubscriber, subscriber_endpoint
+from kvtrace.servers.kvevents import KvEventSubscriber, subscriber_endpoint
 from tests.helpers import free_port, wait_for
 
 pytestmark = pytest.mark.root

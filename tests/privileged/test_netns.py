@@ -12,8 +12,8 @@ import urllib.request
 import pytest
 
 from kvtrace.host import netns
-from kvtrace.vllm.discover import listening
-from kvtrace.vllm.metrics import MetricsScraper
+from kvtrace.servers.procfs import listening
+from kvtrace.servers.metrics import MetricsScraper
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.root

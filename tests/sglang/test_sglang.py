@@ -317,7 +317,7 @@ def test_servers_lists_the_sglang_server(live):
     assert out.returncode == 0, out.stderr
     (s,) = [s for s in json.loads(out.stdout) if s["port"] == srv.port]
     procs = srv.processes()
-    assert s["engine"] == "sglang" and s["vllm_version"] == "0.5.23"
+    assert s["kind"] == "sglang" and s["version"] == "0.5.23"
     assert s["engine_pids"] == procs["engine"] and s["api_pids"] == procs["api"] and s["worker_pids"] == []
     assert s["hook"]["supported"] is True and s["hook"]["reason"] == ""
     assert s["kv_events"]["enabled"] and s["kv_events"]["bind"] is True

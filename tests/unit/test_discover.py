@@ -13,7 +13,9 @@ import time
 import psutil
 import pytest
 
-from kvtrace.vllm import discover as d
+from kvtrace.servers import discover as d
+from kvtrace.servers import info, pyenv
+from kvtrace.servers.vllm import discover as vd
 
 
 @pytest.mark.parametrize("argv,kind", [
@@ -25,7 +27,7 @@ from kvtrace.vllm import discover as d
     (["/venv/bin/python3", "/venv/bin/vllm", "serve", "m"], "cli"),
 ])
 def test_server_argv_recognised(argv, kind):
-    assert d.server_kind(argv) == kind
+    assert vd.server_kind(argv) == kind
 
 
 @pytest.mark.parametrize("argv", [
@@ -36,23 +38,23 @@ def test_server_argv_recognised(argv, kind):
     ["timeout", "60", "python", "-m", "vllm.entrypoints.openai.api_server"],
 ])
 def test_non_servers_rejected(argv):
-    assert d.server_kind(argv) is None
+    assert vd.server_kind(argv) is None
 
 
 def test_kv_events_config_json_and_dotted():
     cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5600",
            "replay_endpoint": "tcp://*:5601", "topic": "kv"}
-    kv = d.kv_events_from_args(["vllm", "serve", "--kv-events-config", json.dumps(cfg), "-dp", "2"])
+    kv = vd.kv_events_from_args(["vllm", "serve", "--kv-events-config", json.dumps(cfg), "-dp", "2"])
     assert (kv.enabled, kv.endpoint, kv.replay_endpoint, kv.topic, kv.dp_size) == (True, "tcp://*:5600", "tcp://*:5601", "kv", 2)
-    kv = d.kv_events_from_args(["vllm", "serve", "--kv-events-config.enable_kv_cache_events", "true",
+    kv = vd.kv_events_from_args(["vllm", "serve", "--kv-events-config.enable_kv_cache_events", "true",
                                 "--kv_events_config.endpoint=tcp://*:5610"])
     assert (kv.enabled, kv.publisher, kv.endpoint, kv.replay_endpoint) == (True, "zmq", "tcp://*:5610", None)
-    kv = d.kv_events_from_args(["vllm", "serve", "--kv-events-config={\"enable_kv_cache_events\": true}"])
-    assert kv.enabled and kv.endpoint == d.DEFAULT_KV_ENDPOINT
-    assert not d.kv_events_from_args(["x", "--kv-events-config", '{"enable_kv_cache_events": false}']).enabled
-    assert not d.kv_events_from_args(["x", "--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "null"}']).enabled
-    assert d.kv_events_from_args(["vllm", "serve", "m"]) is None
-    assert d.kv_events_from_args(["x", "--kv-events-config", "{not json"]) is not None  # present but unreadable
+    kv = vd.kv_events_from_args(["vllm", "serve", "--kv-events-config={\"enable_kv_cache_events\": true}"])
+    assert kv.enabled and kv.endpoint == vd.DEFAULT_KV_ENDPOINT
+    assert not vd.kv_events_from_args(["x", "--kv-events-config", '{"enable_kv_cache_events": false}']).enabled
+    assert not vd.kv_events_from_args(["x", "--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "null"}']).enabled
+    assert vd.kv_events_from_args(["vllm", "serve", "m"]) is None
+    assert vd.kv_events_from_args(["x", "--kv-events-config", "{not json"]) is not None  # present but unreadable
 
 
 def fake_site(root, plugin=True, version="9.9.1"):
@@ -88,10 +90,10 @@ def fake_site(root, plugin=True, version="9.9.1"):
 
 
 def test_plugin_entry_point_lookup(tmp_path):
-    fs = d._Fs(os.getpid())
-    assert d.plugin_installed(fs, [str(fake_site(tmp_path / "a"))])
-    assert not d.plugin_installed(fs, [str(fake_site(tmp_path / "b", plugin=False))])
-    assert d._vllm_version(fs, str(tmp_path / "a" / "site")) == "9.9.1"
+    fs = pyenv._Fs(os.getpid())
+    assert pyenv.plugin_installed(fs, [str(fake_site(tmp_path / "a"))], vd.PLUGIN_GROUP)
+    assert not pyenv.plugin_installed(fs, [str(fake_site(tmp_path / "b", plugin=False))], vd.PLUGIN_GROUP)
+    assert pyenv.package_version(fs, str(tmp_path / "a" / "site"), "vllm") == "9.9.1"
 
 
 @pytest.fixture
@@ -121,7 +123,7 @@ def test_discovers_the_stand_in_server(stand_in_server):
     worker = [p for p, c in kids.items() if c.name().startswith("VLLM::Worker")]
     assert (s.engine_pids, s.worker_pids, s.api_pids) == (engine, worker, [proc.pid])
     assert s.port == port  # from the listening socket: no --port given
-    assert s.vllm_version == "9.9.1"
+    assert s.version == "9.9.1"
     assert s.python_version.startswith(f"{sys.version_info.major}.{sys.version_info.minor}")
     assert s.plugin == "disabled"  # installed, but VLLM_PLUGINS does not name it
     assert s.kv_events.enabled and s.kv_events.endpoint == "tcp://*:5699"
@@ -129,7 +131,7 @@ def test_discovers_the_stand_in_server(stand_in_server):
     assert s.pids == [proc.pid, *engine, *worker]
     # the children are never reported as servers of their own, nor is anything else non-vLLM
     for other in d.discover():
-        assert d.server_kind(psutil.Process(other.pid).cmdline()) is not None
+        assert vd.server_kind(psutil.Process(other.pid).cmdline()) is not None
         assert other.pid not in engine + worker
 
 
@@ -147,10 +149,10 @@ def test_lookalikes_are_not_reported(tmp_path):
 
 
 def _info(pid, port, kv=None):
-    return d.VllmServerInfo(pid=pid, api_pids=[pid], engine_pids=[pid + 1], worker_pids=[pid + 2], other_pids=[],
+    return info.ServerInfo(pid=pid, api_pids=[pid], engine_pids=[pid + 1], worker_pids=[pid + 2], other_pids=[],
                             host="127.0.0.1", port=port, model="m", python_exe=None, python_version="3.11.7",
-                            vllm_version="0.32.0", site_packages=None, plugin="absent", kv_events=kv,
-                            in_container=False, cmdline=["vllm", "serve", "m"])
+                            version="0.32.0", site_packages=None, plugin="absent", kv_events=kv,
+                            in_container=False, cmdline=["vllm", "serve", "m"], kind="vllm")
 
 
 def test_attach_chooses_a_server(monkeypatch):
@@ -178,7 +180,7 @@ def test_attach_chooses_a_server(monkeypatch):
 def test_attach_streams_warn_once_and_go_on(capsys):
     from kvtrace.attach.streams import start_vllm_streams
 
-    kv = d.KvEventsInfo(enabled=True, publisher="zmq", endpoint="tcp://*:1", replay_endpoint=None)
+    kv = info.KvEventsInfo(enabled=True, publisher="zmq", endpoint="tcp://*:1", replay_endpoint=None)
     sidecars = start_vllm_streams(_info(100, 1, kv), None, None, None, 0.2)
     try:
         err = capsys.readouterr().err.splitlines()

@@ -21,8 +21,9 @@ from click.testing import CliRunner
 
 from kvtrace.hook.source import SourceTree, Unreadable
 from kvtrace.host import confined
-from kvtrace.vllm import discover as d
-from kvtrace.vllm import hooksupport, sglang_discover
+from kvtrace.servers import discover as d
+from kvtrace.servers import hooksupport
+from kvtrace.servers import info as server_info
 
 STAND_IN = textwrap.dedent("""
     import socket, time
@@ -167,7 +168,7 @@ def test_the_agent_side_source_check_refuses_a_fifo_or_link_at_once(tmp_path, ki
     try:
         got, err = _bounded(lambda: SourceTree(f"/proc/self/root{site}").version())
         assert got is None and isinstance(err, Unreadable) and str(err) == f"vllm/_version.py: not read, {why}"
-        info = types.SimpleNamespace(pid=os.getpid(), site_packages=str(site), engine="vllm", vllm_version="9.9.1")
+        info = types.SimpleNamespace(pid=os.getpid(), site_packages=str(site), kind="vllm", version="9.9.1")
         v, err = _bounded(lambda: hooksupport.verdict(info))
         reason = f"/proc/{os.getpid()}/root{site}/vllm/_version.py: not read, {why}"
         assert err is None and v["supported"] is False and hooksupport.to_json(v)["reason"] == reason
@@ -200,17 +201,16 @@ def sleepers():
 
 def test_a_process_whose_reads_never_return_is_given_up_and_the_rest_found(monkeypatch, sleepers, capsys):
     (server, stalled), release = sleepers
-    info = d.VllmServerInfo(pid=server, api_pids=[server], engine_pids=[], worker_pids=[], other_pids=[],
-                            host=None, port=8391, model="m", python_exe=None, python_version=None, vllm_version=None,
-                            site_packages=None, plugin="unknown", kv_events=None, in_container=False, cmdline=[])
+    info = server_info.ServerInfo(pid=server, api_pids=[server], engine_pids=[], worker_pids=[], other_pids=[],
+                            host=None, port=8391, model="m", python_exe=None, python_version=None, version=None,
+                            site_packages=None, plugin="unknown", kv_events=None, in_container=False, cmdline=[], kind="vllm")
 
     def describe(proc):
         if proc.pid == stalled:
             release.wait(20)   # as a read of /proc/PID/cmdline behind a stalled page fault
         return info if proc.pid == server else None
 
-    monkeypatch.setattr(d, "describe", describe)
-    monkeypatch.setattr(sglang_discover, "describe", lambda proc: None)
+    monkeypatch.setattr(d, "_describe", describe)
     monkeypatch.setattr(d, "DEADLINE_S", 0.5)
     t0 = time.monotonic()
     found = d.discover()
@@ -234,8 +234,7 @@ def test_a_process_whose_reads_never_return_is_given_up_and_the_rest_found(monke
 
 def test_an_odd_failure_of_one_process_is_listed_not_raised(monkeypatch, sleepers):
     (bad, _), _release = sleepers
-    monkeypatch.setattr(d, "describe", lambda proc: 1 / 0 if proc.pid == bad else None)
-    monkeypatch.setattr(sglang_discover, "describe", lambda proc: None)
+    monkeypatch.setattr(d, "_describe", lambda proc: 1 / 0 if proc.pid == bad else None)
     found = d.discover()
     assert list(found) == [] and found.unreadable == [d.Unreadable(bad, "ZeroDivisionError: division by zero")]
 
@@ -311,7 +310,7 @@ def test_the_stand_in_is_still_described_in_full(tmp_path, stand_in):
     site = venv / "lib64" / "python3.11" / "site-packages"
     pid = stand_in(venv / "bin" / "python3", site)
     (s,) = [s for s in d.discover() if s.pid == pid]
-    assert (s.vllm_version, s.python_version, s.site_packages) == ("9.9.1", "3.11.99", str(site))
+    assert (s.version, s.python_version, s.site_packages) == ("9.9.1", "3.11.99", str(site))
     assert psutil.Process(pid).cmdline()[0] == str(venv / "bin" / "python3")
     v = hooksupport.verdict(s)
     assert v["supported"] is False and "vllm/__init__.py" in v["files"]   # its files were read, through lib64

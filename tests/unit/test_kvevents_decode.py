@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtrace.dataset import schema
-from kvtrace.vllm import kvevents
-from kvtrace.vllm.kvevents import Decoder, to_table
+from kvtrace.servers import kvevents
+from kvtrace.servers.kvevents import Decoder, to_table
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "vllm-kv-events-sample.jsonl"
 enc = msgspec.msgpack.encode

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 import zmq
 
-from kvtrace.vllm.kvevents import END_SEQ, KvEventSubscriber
+from kvtrace.servers.kvevents import END_SEQ, KvEventSubscriber
 from tests.helpers import wait_for
 
 

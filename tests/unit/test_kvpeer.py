@@ -1,4 +1,4 @@
-"""KV events only from the server's processes (kvtrace.vllm.kvpeer, kvtrace.vllm.kvrelay), without
+"""KV events only from the server's processes (kvtrace.servers.kvpeer, kvtrace.servers.kvrelay), without
 root: where kvtrace listens (never a wildcard, a warning off loopback), a TCP port held by a
 process that is not the server gets nothing, the relay changes nothing ZeroMQ sees (reconnects,
 replays, restarts), and who counts as the server (children, a recycled pid, a restart)."""
@@ -18,8 +18,8 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from kvtrace.vllm import kvpeer
-from kvtrace.vllm.kvevents import KvEventSubscriber, bind_address
+from kvtrace.servers import kvpeer
+from kvtrace.servers.kvevents import KvEventSubscriber, bind_address
 from tests.helpers import free_port, wait_for
 from tests.unit.test_kvevents_stream import FakePublisher, batch, connected, seqs
 
@@ -205,7 +205,7 @@ def test_server_roots_follow_a_restart_on_the_same_port(monkeypatch):
         assert roots() == [old.pid]
         old.kill()
         old.wait()
-        from kvtrace.vllm import discover
+        from kvtrace.servers import discover
 
         others = [SimpleNamespace(pid=1, port=9999, netns_id="net:[1]"),
                   SimpleNamespace(pid=new.pid, port=8123, netns_id="net:[1]")]
@@ -269,7 +269,7 @@ def test_attach_streams_take_kv_events_only_from_known_processes():
     """kvtrace attach's streams: with a server, its processes; with only traced pids, those;
     with neither, an endpoint the server connects out to is not listened on (one line)."""
     from kvtrace.attach.streams import start_vllm_streams
-    from kvtrace.vllm import discover as d
+    from kvtrace.servers import info as server_info
 
     ep = f"tcp://127.0.0.1:{free_port(5600, 5699)}"
     lines: list[str] = []
@@ -277,16 +277,17 @@ def test_attach_streams_take_kv_events_only_from_known_processes():
     assert lines == [f"kvtrace: warning: the server connects out to the KV events endpoint {ep}, but kvtrace knows no "
                      "server process to take events from (attach with --port or --pid of the server); capture "
                      "continues without kv_events"]
-    kv = d.KvEventsInfo(enabled=True, publisher="zmq", endpoint=ep.replace("127.0.0.1", "0.0.0.0"),
+    kv = server_info.KvEventsInfo(enabled=True, publisher="zmq", endpoint=ep.replace("127.0.0.1", "0.0.0.0"),
                         replay_endpoint=None)
-    server = d.VllmServerInfo(pid=os.getpid(), api_pids=[os.getpid()], engine_pids=[], worker_pids=[], other_pids=[],
+    server = server_info.ServerInfo(pid=os.getpid(), api_pids=[os.getpid()], engine_pids=[], worker_pids=[], other_pids=[],
                               host="127.0.0.1", port=None, model="m", python_exe=None, python_version=None,
-                              vllm_version=None, site_packages=None, plugin="absent", kv_events=kv,
-                              in_container=False, cmdline=["vllm", "serve", "m"])
+                              version=None, site_packages=None, plugin="absent", kv_events=kv,
+                              in_container=False, cmdline=["vllm", "serve", "m"], kind="vllm")
     for args in ((None, ep, None, None, 1.0), (server, None, None, None, 1.0)):
         lines.clear()
         (sub,) = start_vllm_streams(*args, echo=lines.append, pids=[os.getpid()])
         sub.close()
         assert sub.stats()["peer_check"] and sub.bind and sub.endpoint == ep
-        assert lines[-1] == f"kvtrace: vLLM streams: kv_events from {ep} (bound: vLLM connects to it)"
+        name = "vLLM " if args[0] is not None else ""   # the server's kind, when kvtrace knows the server
+        assert lines[-1] == f"kvtrace: {name}streams: kv_events from {ep} (bound: vLLM connects to it)"
     assert lines[0].startswith("kvtrace: warning: KV events: the server connects out to 0.0.0.0:")   # the wildcard

@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 # Bottom to top.  The base modules (errors, phases, units, the package itself) are below all;
 # cli and __main__ are the commands' layer.
-LAYERS = ["hook", "dataset", "host", "fabric", "capture", "inject", "vllm", "correlate", "otlp", "analysis",
+LAYERS = ["hook", "dataset", "host", "fabric", "capture", "servers", "inject", "correlate", "otlp", "analysis",
           "doctor", "demo", "attach", "commands"]
 BASE = {"errors", "phases", "units", "__init__", "_version"}
 TOP_MODULES = {"cli": "commands", "__main__": "commands"}
@@ -84,9 +84,9 @@ def test_a_planted_upward_import_is_named(tmp_path):
     shutil.copytree(REPO / "kvtrace", root, ignore=shutil.ignore_patterns("__pycache__"))
     (root / "dataset" / "planted.py").write_text("from kvtrace.commands import attach\n")
     (root / "capture" / "planted.py").write_text("def f():\n    from kvtrace.dataset import reader\n")
-    (root / "vllm" / "planted.py").write_text("import kvtrace.correlate.core\n")
+    (root / "servers" / "planted.py").write_text("import kvtrace.correlate.core\n")
     assert violations(root) == [
         "kvtrace/capture/planted.py:2: an import inside a function without '# lazy: <why>'",
         "kvtrace/dataset/planted.py:1: dataset imports commands, a layer above it",
-        "kvtrace/vllm/planted.py:1: vllm imports correlate, a layer above it",
+        "kvtrace/servers/planted.py:1: servers imports correlate, a layer above it",
     ]

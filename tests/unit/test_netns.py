@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from kvtrace.host import netns
-from kvtrace.vllm.discover import _hex_addr, listening
+from kvtrace.servers.procfs import _hex_addr, listening
 
 
 @pytest.mark.parametrize("text, want", [

@@ -37,7 +37,7 @@ DIST = {
 }
 # Code that runs inside vLLM's interpreter (kvtrace installed there with --no-deps): the standard
 # library, kvtrace.hook and what vLLM itself brings.  Their parents' __init__ run there too.
-IN_VLLM = ["kvtrace/__init__.py", "kvtrace/hook/", "kvtrace/vllm/__init__.py", "kvtrace/hook/fileconnector.py"]
+IN_VLLM = ["kvtrace/__init__.py", "kvtrace/hook/", "kvtrace/servers/__init__.py", "kvtrace/hook/fileconnector.py"]
 VLLM_SIDE = {"vllm", "torch", "sglang"}
 ROOT_FILES = ("pyproject.toml", "setup.py", "README.md", "LICENSE")
 

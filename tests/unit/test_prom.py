@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtrace.dataset import schema
-from kvtrace.vllm import metrics
+from kvtrace.servers import metrics
 
 SAMPLE = Path("/work/shared/research/vllm-metrics-sample.txt")
 LOCAL_SAMPLE = Path(__file__).resolve().parents[1] / "data" / "vllm-metrics-sample.txt"

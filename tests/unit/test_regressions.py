@@ -60,30 +60,30 @@ REGRESSIONS = [
      "os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, FILE_MODE)",
      "os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, FILE_MODE)",
      ["tests/unit/test_output_hostile.py::test_a_link_at_an_output_file_is_refused"], False),
-    ("KV events taken from any peer that connects", "vllm/kvpeer.py",
+    ("KV events taken from any peer that connects", "servers/kvpeer.py",
      "            if procs.owns_inode(inode, since):\n                return\n            break",
      "            return",
      ["tests/privileged/test_kvevents_peers.py::test_a_forged_publisher_is_refused_and_only_the_servers_events_land"],
      True),
-    ("KV events read from an ipc socket another process holds", "vllm/kvpeer.py",
+    ("KV events read from an ipc socket another process holds", "servers/kvpeer.py",
      "    if not procs.owns_pid(pid, since):", "    if False:",
      ["tests/privileged/test_kvevents_peers.py::test_an_ipc_socket_of_another_process_gets_nothing"], True),
-    ("an ipc path followed through a planted link", "vllm/kvpeer.py",
+    ("an ipc path followed through a planted link", "servers/kvpeer.py",
      "        fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)",
      "        fd = os.open(name, os.O_PATH | os.O_CLOEXEC, dir_fd=dfd)",
      ["tests/privileged/test_kvevents_peers.py::test_a_planted_ipc_symlink_is_never_connected"], True),
     ("the engine's source read through links and FIFOs", "hook/source.py",
      'self.confined = root.startswith("/proc/") if confined is None else confined', "self.confined = False",
      ["tests/unit/test_discover_hostile.py::test_the_agent_side_source_check_refuses_a_fifo_or_link_at_once"], False),
-    ("discovery waits on every process in turn", "vllm/discover.py",
-     """    pool = _Pool(lambda p: describe(p) or sglang_discover.describe(p), procs, DEADLINE_S, WORKERS)
+    ("discovery waits on every process in turn", "servers/discover.py",
+     """    pool = _Pool(_describe, procs, DEADLINE_S, WORKERS)
     for proc, info, why in pool.results():
         if why is not None:
             unreadable.append(Unreadable(proc.pid, why))
         elif info is not None:
             found.append(info)""",
      """    for proc in procs:
-        info = describe(proc) or sglang_discover.describe(proc)
+        info = _describe(proc)
         if info is not None:
             found.append(info)""",
      ["tests/unit/test_discover_hostile.py::test_a_process_whose_reads_never_return_is_given_up_and_the_rest_found"],

@@ -5,8 +5,9 @@ import json
 
 import pytest
 
-from kvtrace.vllm import discover, kvendpoints
-from kvtrace.vllm.sglang_discover import kv_events_from_args, server_kind
+from kvtrace.servers import kvendpoints
+from kvtrace.servers.vllm import discover
+from kvtrace.servers.sglang.discover import kv_events_from_args, server_kind
 
 
 @pytest.mark.parametrize("argv,kind", [

@@ -17,6 +17,7 @@ import pytest
 
 from kvtrace.host import confined
 from kvtrace.inject import loader, stage
+from kvtrace.servers import registry
 from tests.helpers import tree_state
 
 PY = "/usr/bin/python3"
@@ -25,7 +26,7 @@ PY = "/usr/bin/python3"
 def _run_loader(st: stage.Staged, action: str = "install", name: str = "loader.py") -> tuple[dict | None, str]:
     """Write the loader as the injector does and run the injected line in a child; (its report, the
     child's kvtrace modules)."""
-    code = loader.render(st.files, f"{st.inner}/r/{name}.json", action).encode()
+    code = loader.render(st.files, f"{st.inner}/r/{name}.json", action, module=registry.kind("vllm").hook_module).encode()
     confined.write_exclusive(st.dir_fd, name, code)
     line = loader.bootstrap(f"{st.inner}/{name}", code)
     p = subprocess.run([PY, "-c", line + "\nimport sys; print(sorted(m for m in sys.modules if 'kvtrace' in m))"],
@@ -103,7 +104,7 @@ def test_a_changed_loader_never_runs(tmp_path):
     marker = tmp_path / "ran"
     st = stage.stage(os.getpid(), base=str(tmp_path))
     try:
-        code = loader.render(st.files, f"{st.inner}/r/x.json", "install").encode()
+        code = loader.render(st.files, f"{st.inner}/r/x.json", "install", module=registry.kind("vllm").hook_module).encode()
         confined.write_exclusive(st.dir_fd, "loader.py", f"open({str(marker)!r}, 'w')\n".encode())
         p = subprocess.run([PY, "-c", loader.bootstrap(f"{st.inner}/loader.py", code)], capture_output=True,
                            text=True, cwd="/", timeout=60)

@@ -336,13 +336,13 @@ def test_summary_to_a_pipe_keeps_the_sink_line_whole():
 
 
 def servers():
-    from kvtrace.vllm.discover import KvEventsInfo, VllmServerInfo
+    from kvtrace.servers.info import KvEventsInfo, ServerInfo
 
     def info(pid, port, kv, workers, model, **kw):
-        return VllmServerInfo(pid=pid, api_pids=[pid], engine_pids=[pid + 1], worker_pids=[pid + 2 + i for i in range(workers)],
+        return ServerInfo(pid=pid, api_pids=[pid], engine_pids=[pid + 1], worker_pids=[pid + 2 + i for i in range(workers)],
                               other_pids=[], host="127.0.0.1", port=port, model=model, python_exe=None,
-                              python_version="3.12.3", vllm_version="0.32.0", site_packages=None, plugin="installed",
-                              kv_events=kv, in_container=kw.get("ct", False), cmdline=["vllm", "serve", model],
+                              python_version="3.12.3", version="0.32.0", site_packages=None, plugin="installed",
+                              kv_events=kv, in_container=kw.get("ct", False), cmdline=["vllm", "serve", model], kind="vllm",
                               netns=kw.get("netns"), netns_id=kw.get("netns_id"))
 
     kv = KvEventsInfo(enabled=True, publisher="zmq", endpoint="tcp://*:5557", replay_endpoint="tcp://*:5558", dp_size=2)

@@ -27,6 +27,9 @@ from kvtrace.hook.transport import FLAG_PATH
 from kvtrace.hook.vllm_hook import FLUSH_EVERY_NS, HOOK_VERSION
 from kvtrace.hook.wire import RECORDS, kv_step_rows
 from kvtrace.demo.server import vllm_python
+from kvtrace.servers import registry
+
+VLLM_HOOK = registry.kind("vllm").hook_module
 
 from tests import helpers
 from tests.helpers import wait_for
@@ -544,7 +547,7 @@ def test_attach_keeps_the_plugins_hook(hooked_server, tmp_path):
     _, rest = proc.communicate(timeout=120)
     assert proc.returncode == 0, "".join(lines) + rest
     engine = srv.processes()["engine"][0]
-    state = injector.hook(engine, "status")
+    state = injector.hook(engine, "status", module=VLLM_HOOK)
     assert state["status"]["installed"] is True, state
     from kvtrace.dataset.reader import Dataset
 

@@ -20,6 +20,9 @@ from kvtrace.errors import DatasetError
 from kvtrace.inject import injector
 from kvtrace.demo import workload
 from kvtrace.demo.server import VllmServer
+from kvtrace.servers import registry
+
+VLLM_HOOK = registry.kind("vllm").hook_module
 from tests.helpers import reset_prefix_cache, wait_for
 from tests.vllm.conftest import SERVER_ARGS, KvEventSink, free_port, vllm_skip_reason
 from tests.vllm_checks import check_evictions, check_requests, removed_hashes
@@ -49,7 +52,7 @@ def plain_server(tmp_path_factory):
 
 def hook_state(server) -> list[dict]:
     procs = server.processes()
-    return [injector.hook(p, "status") for p in procs["engine"] + procs["workers"]]
+    return [injector.hook(p, "status", module=VLLM_HOOK) for p in procs["engine"] + procs["workers"]]
 
 
 class Agent:

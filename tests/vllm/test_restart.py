@@ -20,6 +20,9 @@ from kvtrace.dataset.reader import Dataset
 from kvtrace.inject import injector
 from kvtrace.demo import workload
 from kvtrace.demo.server import VllmServer
+from kvtrace.servers import registry
+
+VLLM_HOOK = registry.kind("vllm").hook_module
 from tests.vllm.conftest import SERVER_ARGS, free_port, vllm_skip_reason
 
 pytestmark = pytest.mark.root
@@ -66,7 +69,7 @@ def requests(seed: int, n: int = 4) -> list[workload.Request]:
 
 
 def engine_hooked(server: VllmServer) -> bool:
-    return any(injector.hook(p, "status")["status"]["installed"] for p in server.processes()["engine"])
+    return any(injector.hook(p, "status", module=VLLM_HOOK)["status"]["installed"] for p in server.processes()["engine"])
 
 
 @pytest.fixture(scope="module", autouse=True)

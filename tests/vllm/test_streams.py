@@ -26,8 +26,8 @@ import msgspec
 import pyarrow.compute as pc
 import pytest
 
-from kvtrace.vllm import discover, kvevents
-from kvtrace.vllm.metrics import MetricsScraper
+from kvtrace.servers import discover, kvevents
+from kvtrace.servers.metrics import MetricsScraper
 from kvtrace.demo.server import VllmServer, vllm_python
 from tests.helpers import free_port, wait_for
 
@@ -145,7 +145,7 @@ def test_streams_match_independent_views(server, capsys):
     assert info.engine_pids == procs["engine"] and len(procs["engine"]) == 1
     assert info.worker_pids == procs["workers"] and len(procs["workers"]) == 1
     assert info.port == srv.port and info.metrics_url == f"{srv.url}/metrics"
-    assert info.vllm_version == facts["vllm"] and info.python_version == facts["python"]
+    assert info.version == facts["vllm"] and info.python_version == facts["python"]
     assert info.plugin == ("disabled" if facts["plugin"] else "absent")  # VLLM_PLUGINS leaves it out
     assert info.kv_events.enabled
     assert (info.kv_events.endpoint, info.kv_events.replay_endpoint) == (srv.kv_cfg["endpoint"], srv.kv_cfg["replay_endpoint"])

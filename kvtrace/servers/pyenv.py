@@ -1,12 +1,10 @@
-"""The Python environment of a vLLM server, read from outside through /proc/PID/root (so a
-container's own filesystem): where its site-packages are, its Python and vLLM versions, and
+"""The Python environment of a server (vLLM, SGLang), read from outside through /proc/PID/root (so a
+container's own filesystem): where its site-packages are, its Python and engine versions, and
 whether the kvtrace plugin is installed there.
 
 Every file is read confined (``_Fs``): a FIFO, device, link or oversized file where a
 pyvenv.cfg, METADATA, entry_points.txt or RECORD should be raises UnsafePath (discovery then
 lists the process as unreadable), and no link leads out of the server's root.
-
-Split from kvtrace.vllm.discover, which re-exports every name here.
 """
 from __future__ import annotations
 
@@ -18,7 +16,6 @@ from pathlib import Path
 
 from kvtrace.host import confined
 
-PLUGIN_GROUP = "vllm.general_plugins"
 PLUGIN_NAME = "kvtrace"
 READ_LIMIT = 1 << 20          # a config, a dist-info's small files, a _version.py
 METADATA_LIMIT = 4 << 20      # METADATA / PKG-INFO (the long description is in it)
@@ -226,8 +223,8 @@ def _dist_infos(fs: _Fs, site: str) -> list[str]:
     return [d for d in fs.listdir(site) if d.endswith((".dist-info", ".egg-info"))]
 
 
-def _vllm_version(fs: _Fs, site: str, package: str = "vllm") -> str | None:
-    """The version of the engine's ``package`` ("vllm", "sglang") installed in ``site``."""
+def package_version(fs: _Fs, site: str, package: str) -> str | None:
+    """The version of the server kind's ``package`` ("vllm", "sglang") installed in ``site``."""
     for d in _dist_infos(fs, site):
         if not re.match(rf"^{package}([_-][a-z0-9]+)?-\d", d):
             continue
@@ -249,7 +246,7 @@ def _vllm_version(fs: _Fs, site: str, package: str = "vllm") -> str | None:
     return None
 
 
-def plugin_installed(fs: _Fs, sites: list[str], group: str = PLUGIN_GROUP) -> bool:
+def plugin_installed(fs: _Fs, sites: list[str], group: str) -> bool:
     """True when some dist in these directories declares entry point ``kvtrace`` in ``group``
     (vllm.general_plugins; sglang.srt.plugins for SGLang)."""
     for site in sites:

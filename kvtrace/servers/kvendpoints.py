@@ -1,7 +1,7 @@
 """KV-events endpoints: what kvtrace connects to or binds for the endpoint vLLM was given, per
 data-parallel rank, the replay address, and a reachability probe.
 
-Split from kvtrace.vllm.kvevents, which re-exports every name here.
+Split from kvtrace.servers.kvevents, which re-exports every name here.
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ import time
 
 import psutil
 
-from kvtrace.vllm.discover import _hex_addr, _socket_inodes
+from kvtrace.servers.procfs import _hex_addr, _socket_inodes
 
 LISTEN = "0A"
 _ROOTED = re.compile(r"^(/proc/\d+/root)(/.*)$")
@@ -246,7 +246,7 @@ def server_roots(server, every_s: float = 2.0):
         if state["created"] is not None and _created(state["pid"]) == state["created"]:
             return [state["pid"]]
         if time.monotonic() - state["at"] >= every_s and server.port is not None:
-            from kvtrace.vllm import discover  # lazy: only after a restart
+            from kvtrace.servers import discover  # lazy: only after a restart
 
             state["at"] = time.monotonic()
             for s in discover.discover():

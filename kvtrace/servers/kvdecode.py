@@ -1,6 +1,6 @@
 """Decoding of vLLM's KV-event batches (msgpack ``KVEventBatch``) into ``kv_events`` rows.
 
-Split from kvtrace.vllm.kvevents (which re-exports every name here); the wire format is
+Split from kvtrace.servers.kvevents (which re-exports every name here); the wire format is
 described there.  Both event shapes decode (tagged maps, and the older arrays whose field order
 is ``FIELDS``); anything else is counted, never raised.  Token ids are never stored: only their
 count and a 64-bit hash per block.

@@ -19,8 +19,8 @@ next expected seq, and ``stop()`` replays the tail, so a batch published while k
 disconnected still arrives.  Token ids are never stored: only their count and a 64-bit hash
 per block.
 
-With ``peers`` (the server's processes, kvtrace.vllm.kvpeer) the ZeroMQ sockets talk only to
-private ipc endpoints and a relay thread (kvtrace.vllm.kvrelay) owns the real ones: a peer
+With ``peers`` (the server's processes, kvtrace.servers.kvpeer) the ZeroMQ sockets talk only to
+private ipc endpoints and a relay thread (kvtrace.servers.kvrelay) owns the real ones: a peer
 that is not the server's is closed before a byte passes and counted in ``rejected_peers``.
 """
 from __future__ import annotations
@@ -35,11 +35,11 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from kvtrace.host import netns as netns_mod
-from kvtrace.vllm import kvpeer, kvrelay
+from kvtrace.servers import kvpeer, kvrelay
 # Re-exported: the decoder and the endpoint helpers live in their own modules.
-from kvtrace.vllm.kvdecode import (CLEARED, COLUMNS, END_SEQ, FIELDS, MASK64, REMOVED, SCHEMA, STORED, TABLE,  # noqa: F401
+from kvtrace.servers.kvdecode import (CLEARED, COLUMNS, END_SEQ, FIELDS, MASK64, REMOVED, SCHEMA, STORED, TABLE,  # noqa: F401
                                    Decoder, _int, _new_cols, _str, block_hash, to_table, tokens_hash)
-from kvtrace.vllm.kvendpoints import (bind_address, probe, rank_endpoint, replay_address,  # noqa: F401
+from kvtrace.servers.kvendpoints import (bind_address, probe, rank_endpoint, replay_address,  # noqa: F401
                                       subscriber_endpoint, tcp_hostport, vllm_binds)
 
 

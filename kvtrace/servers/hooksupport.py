@@ -13,7 +13,8 @@ import os
 from kvtrace.hook import support
 from kvtrace.hook.source import SourceTree, Unreadable
 from kvtrace.host.confined import UnsafePath
-from kvtrace.vllm.pyenv import _Fs
+from kvtrace.servers import registry
+from kvtrace.servers.pyenv import _Fs
 
 _CACHE: dict[str, dict] = {}
 
@@ -23,26 +24,26 @@ def verdict(info) -> dict | None:
     (a refusal naming the file when one is unsafe to read)."""
     if not info.site_packages:
         return None
-    engine = getattr(info, "engine", "vllm")
+    kind = registry.kind(info.kind)
     with _Fs(info.pid) as fs:
         shown = fs.show(info.site_packages)
         try:
             fd = fs.opendir(info.site_packages)
         except UnsafePath as e:
-            return _unreadable(engine, shown, str(e))
+            return _unreadable(kind.name, shown, str(e))
         if fd is None:
             return None
         try:
-            return _checked(f"{engine}:{shown}", f"/proc/self/fd/{fd}", engine, shown)
+            return _checked(f"{kind.name}:{shown}", f"/proc/self/fd/{fd}", kind, shown)
         except Unreadable as e:
-            return _unreadable(engine, shown, f"{shown}/{e}")
+            return _unreadable(kind.name, shown, f"{shown}/{e}")
         finally:
             os.close(fd)
 
 
-def _checked(key: str, root: str, engine: str, shown: str) -> dict | None:
+def _checked(key: str, root: str, kind, shown: str) -> dict | None:
     if key not in _CACHE or not SourceTree(root).unchanged(_CACHE[key]["files"]):
-        v = support.check(root, engine)
+        v = kind.support_check()(root)
         if v["version"] is None and not v["files"]:
             return None
         _CACHE[key] = {**v, "root": shown}
@@ -62,8 +63,8 @@ def label(v: dict | None) -> str:
 
 def describe(info, v: dict | None) -> str:
     """One line: the server's vLLM (or SGLang) and what the hook does with it."""
-    version = (v or {}).get("version") or info.vllm_version or "?"
-    name = "SGLang" if getattr(info, "engine", "vllm") == "sglang" else "vLLM"
+    version = (v or {}).get("version") or info.version or "?"
+    name = registry.kind(info.kind).title
     if v is None:
         return f"{name} {version}: hook support unknown (its {name} files cannot be read here)"
     if v["supported"]:

@@ -5,7 +5,7 @@ A process is an SGLang server when it is a Python interpreter running ``-m sglan
 (or ``-m sglang.cli.main serve``), or the ``sglang`` console script with ``serve``.  The
 scheduler (where the hook goes: it runs the radix cache and the model) is found below it by the
 title SGLang sets (``sglang::scheduler``, with a ``_DP<i>_TP<j>`` suffix when parallel).
-Reported as kvtrace.vllm.discover.VllmServerInfo (whose discover() lists both engines) with ``engine="sglang"``: the scheduler in
+Reported as a kvtrace.servers.info.ServerInfo of kind "sglang": the scheduler in
 ``engine_pids``, no workers.  Best effort; its files are read confined, as for vLLM (an unsafe
 one raises UnsafePath, and discovery lists the process as unreadable).
 """
@@ -17,8 +17,9 @@ import os
 import psutil
 
 from kvtrace.host import netns
-from kvtrace.vllm.discover import KvEventsInfo, VllmServerInfo, _arg, _environ, _is_python, _port, environment
-from kvtrace.vllm.pyenv import PLUGIN_NAME
+from kvtrace.servers.info import KvEventsInfo, ServerInfo
+from kvtrace.servers.procfs import _arg, _environ, _is_python, _port, environment
+from kvtrace.servers.pyenv import PLUGIN_NAME
 
 DEFAULT_PORT = 30000
 PLUGIN_GROUP = "sglang.srt.plugins"
@@ -75,7 +76,7 @@ def kv_events_from_args(cmdline: list[str]) -> KvEventsInfo | None:
                         bind=bool(bind) if bind is not None else None)
 
 
-def describe(proc: psutil.Process) -> VllmServerInfo | None:
+def describe(proc: psutil.Process) -> ServerInfo | None:
     """Describe one process if it is an SGLang server, else None.  Raises UnsafePath when a file
     of its environment is not safe to read."""
     try:
@@ -96,7 +97,7 @@ def describe(proc: psutil.Process) -> VllmServerInfo | None:
         elif name.startswith("sglang::"):
             others.append(c.pid)
     kv = kv_events_from_args(cmdline)
-    host, port = _port(proc, cmdline, set())
+    host, port = _port(proc, cmdline, set(), DEFAULT_PORT)
     if _arg(cmdline, "--port") is None:
         port = DEFAULT_PORT
     env = _environ(proc)
@@ -105,9 +106,9 @@ def describe(proc: psutil.Process) -> VllmServerInfo | None:
     allowed = env.get("SGLANG_PLUGINS")
     if plugin == "installed" and allowed and PLUGIN_NAME not in [a.strip() for a in allowed.split(",")]:
         plugin = "disabled"
-    return VllmServerInfo(
+    return ServerInfo(
         pid=proc.pid, api_pids=[proc.pid], engine_pids=schedulers, worker_pids=[], other_pids=others,
         host=host, port=port, model=_arg(cmdline, "--model-path", "--model"), python_exe=py["exe"],
-        python_version=py["python"], vllm_version=py["version"], site_packages=py["site"], plugin=plugin,
+        python_version=py["python"], version=py["version"], site_packages=py["site"], plugin=plugin,
         kv_events=kv, in_container=py["container"], cmdline=cmdline, netns=netns.foreign(proc.pid),
-        netns_id=netns.ident(proc.pid), engine="sglang")
+        netns_id=netns.ident(proc.pid), kind="sglang")

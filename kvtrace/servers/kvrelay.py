@@ -29,8 +29,8 @@ import tempfile
 import threading
 import time
 
-from kvtrace.vllm import kvpeer
-from kvtrace.vllm.kvendpoints import tcp_hostport
+from kvtrace.servers import kvpeer
+from kvtrace.servers.kvendpoints import tcp_hostport
 
 BUF = 1 << 20
 RETRY_S, RETRY_MAX_S = 0.1, 2.0
