@@ -164,3 +164,19 @@ def find_unreadable(inp: Inputs) -> list[tuple[str, Path, str]]:
             if inp.ds.read(path, partitions=False) is None:
                 bad.append((name, path, inp.ds.why(path)))
     return bad
+
+
+def server_kinds(inp: Inputs) -> list[str]:
+    """The server kinds (kvtrace.servers.registry names) the dataset's rows come from, sorted;
+    empty when it does not say.  The one place analysis learns the kind of server recorded."""
+    if not inp.has("engine"):
+        return []
+    return sorted({n for n in read_table(inp, "engine").column("name").to_pylist() if n})
+
+
+def server_metrics(inp: Inputs) -> pa.Table:
+    """Every scraped /metrics sample (ts_ns, name, labels, value) of every server kind, in one
+    table; empty when none was scraped."""
+    parts = [read_table(inp, t).select(["ts_ns", "name", "labels", "value"])
+             for t in ("vllm_metrics", "sglang_metrics") if inp.has(t)]
+    return pa.concat_tables(parts) if parts else pa.table({})
