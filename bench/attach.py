@@ -43,7 +43,7 @@ from pathlib import Path
 from vllmbench import CONCURRENCY, Agent, free_port, kvtrace_importable_env, one_round, requests, spread  # noqa: E402
 
 from kvtrace import phases  # noqa: E402
-from kvtrace.hook.vllm_hook import HOOK_VERSION  # noqa: E402
+from kvtrace.hook.vllm.hook import HOOK_VERSION  # noqa: E402
 from kvtrace.demo import workload  # noqa: E402
 from kvtrace.demo.server import VllmServer, vllm_python  # noqa: E402
 

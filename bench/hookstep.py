@@ -17,8 +17,9 @@ write (`write_cost_us`).
 
 ``--baseline DIR``: the hook of another checkout (``git worktree add DIR REV``) is run too, as
 "detached_baseline" and "attached_baseline", alternated round by round with this one's modes,
-so a change to the hook is measured against the hook before it in one run (the two share this
-checkout's kvtrace.hook.exact, transport and wire, which the hook imports from kvtrace).
+so a change to the hook is measured against the hook before it in one run (the baseline runs
+from its own checkout's files: kvtrace/hook/vllm/hook.py, or kvtrace/hook/vllm_hook.py in a
+checkout without kvtrace/hook/vllm/).
 
 Standard library and vLLM only (kvtrace's hook and workload are imported from the repository
 by path).
@@ -164,10 +165,12 @@ def run_stream(new_scheduler, hasher, short: bool, concurrency: int, times: list
 
 
 def load_baseline(checkout: str):
-    """The vllm_hook module of another checkout, imported under a name of its own."""
+    """The vLLM hook module of another checkout, imported under a name of its own."""
     import importlib.util
 
-    path = os.path.join(checkout, "kvtrace", "hook", "vllm_hook.py")
+    path = os.path.join(checkout, "kvtrace", "hook", "vllm", "hook.py")
+    if not os.path.exists(path):
+        path = os.path.join(checkout, "kvtrace", "hook", "vllm_hook.py")
     spec = importlib.util.spec_from_file_location("kvtrace_baseline_hook", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
@@ -189,7 +192,8 @@ def main() -> int:
     logging.disable(logging.WARNING)
     sys.path.insert(0, REPO)
     from stream import CONCURRENCY
-    from kvtrace.hook import transport, vllm_hook as hook
+    from kvtrace.hook import transport
+    from kvtrace.hook.vllm import hook
 
     new_scheduler, hasher = make_scheduler_factory()
     conn = make_connector()

@@ -17,7 +17,7 @@ from pathlib import Path
 import duckdb
 
 QUERIES = Path(__file__).resolve().parent / "queries"
-SCHEMA_VERSION = 1  # docs/schema.md
+SCHEMA_VERSIONS = {1, 2}  # docs/schema.md: the derived tables these queries read are the same in both
 DERIVED = ("requests", "chunks", "steps", "attributions")
 
 
@@ -34,8 +34,8 @@ def connect(dataset) -> duckdb.DuckDBPyConnection:
     con = duckdb.connect()
     con.execute(f"SET file_search_path = '{str(root).replace(chr(39), chr(39) * 2)}'")
     versions = {v for (v,) in con.sql("SELECT DISTINCT schema_version FROM read_parquet('runs/*/*/*.parquet')").fetchall()}
-    if versions != {SCHEMA_VERSION}:
-        raise SystemExit(f"{dataset}: schema version {sorted(versions)}; these queries read version {SCHEMA_VERSION}")
+    if not versions <= SCHEMA_VERSIONS:
+        raise SystemExit(f"{dataset}: schema version {sorted(versions)}; these queries read versions 1 and 2")
     return con
 
 

@@ -26,7 +26,7 @@ running request and step.
 ``{call}`` standing for the call of ``orig``: for the hook's hottest methods, its work written
 into the wrapper instead of a pre and a post call.
 Only plain parameters can be spelled out: ``why_not(orig)`` names a positional-only,
-keyword-only or variadic one, and the hook then leaves vLLM untouched.
+keyword-only or variadic one, and the hook then leaves the server untouched.
 """
 from __future__ import annotations
 

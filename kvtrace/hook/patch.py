@@ -1,4 +1,4 @@
-"""Patching vLLM's classes: the signature check, and wrapping one class attribute in a
+"""Patching the server's classes (vLLM's, SGLang's): the signature check, and wrapping one class attribute in a
 module-global registry, so that install() is idempotent, uninstall() restores every original,
 and a wrapper left by another copy of the hook (imported under another name) is replaced
 instead of stacked on.  Standard library only.
@@ -10,7 +10,7 @@ import inspect
 from . import state
 from .state import _MARK
 
-_REGISTRY, _STATUS = state._REGISTRY, state._STATUS   # (bound by assignment: see kvtrace.hook.engine)
+_REGISTRY, _STATUS = state._REGISTRY, state._STATUS   # (bound by assignment: see kvtrace.hook.state)
 
 
 def _signature_differs(func, want: list[str], strict: bool = True) -> str | None:
@@ -60,7 +60,7 @@ def _patch(cls: type, attr: str, wrap) -> None:
 
 
 def _original(cls, attr):
-    """What the class's attribute wraps (vLLM's own method), or the attribute itself."""
+    """What the class's attribute wraps (the server's own method), or the attribute itself."""
     cur = _unbox(cls.__dict__.get(attr))
     return getattr(cur, _MARK, None) or cur
 

@@ -1,12 +1,14 @@
-"""The kinds of thing the hook needs of vLLM, each with its check: a method it wraps, the
-fields and attributes it reads, a name a module defines, the calls by which vLLM drives what
-the hook times.  What is needed is listed in kvtrace.hook.needs; this module says how each kind
+"""The kinds of thing the hook needs of a server (vLLM, SGLang), each with its check: a method
+it wraps, the fields and attributes it reads, a name a module defines, the calls by which the
+server drives what the hook times.  What is needed is listed in each kind's ``needs`` module
+(kvtrace.hook.vllm.needs, kvtrace.hook.sglang.needs); this module says how each kind of target
 is checked.
 
-Every check reads vLLM's source files (kvtrace.hook.source), so the same verdict comes out in
-vLLM's interpreter before patching, in the agent for a server it found, and in CI for a release
-that cannot run here.  In vLLM's interpreter a wrapped method is also checked on the imported
-class (``live``), because the wrapper is generated from that function's own signature.
+Every check reads the server's source files (kvtrace.hook.source), so the same verdict comes out
+in the server's interpreter before patching, in the agent for a server it found, and in CI for a
+release that cannot run here.  In the server's interpreter a wrapped method is also checked on
+the imported class (``live``), because the wrapper is generated from that function's own
+signature.
 
 A check returns None, or what differs in a few words ("parameter 'request' missing").
 Standard library only.

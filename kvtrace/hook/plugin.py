@@ -1,26 +1,9 @@
-"""vLLM plugin entry point (``vllm.general_plugins``: kvtrace = kvtrace.hook.plugin:register).
-
-vLLM calls register() once in every process it starts (API server, EngineCore, workers).  The
-hook patches EngineCore and worker classes only; elsewhere it does nothing.  Active with no
-flags whenever kvtrace is installed in vLLM's environment; KVTRACE_HOOK=0 (or vLLM's own
-VLLM_PLUGINS filter) turns it off.  register() never raises: vLLM does not guard plugin calls.
+"""The vLLM plugin entry point under its earlier name, kept for one release: kvtrace 0.2.0
+removes it.  Its place is kvtrace.hook.vllm.plugin (pyproject.toml's ``vllm.general_plugins``
+names that); an environment whose entry-point metadata still names this one loads the same hook.
 """
 from __future__ import annotations
 
-import logging
-import os
+from .vllm.plugin import register
 
-
-def register() -> None:
-    try:
-        if os.environ.get("KVTRACE_HOOK", "1") == "0":
-            return
-        from kvtrace.hook import vllm_hook  # lazy: register() costs nothing when KVTRACE_HOOK=0
-
-        if vllm_hook.detect_roles():
-            vllm_hook.install()
-    except Exception as e:  # pragma: no cover - defensive: a plugin error must not stop vLLM
-        try:
-            logging.getLogger("vllm.kvtrace_hook").warning("kvtrace hook inactive (nothing patched): %s: %s", type(e).__name__, e)
-        except Exception:
-            pass
+__all__ = ["register"]

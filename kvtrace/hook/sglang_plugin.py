@@ -1,26 +1,9 @@
-"""SGLang plugin entry point (``sglang.srt.plugins``: kvtrace = kvtrace.hook.sglang_plugin:register).
-
-SGLang calls register() once in each process it starts (the HTTP server, the scheduler, the
-detokenizer), before the scheduler is built.  The hook patches the scheduler's classes, which
-only the scheduler process uses: elsewhere the wrappers are installed but never called.
-KVTRACE_HOOK=0 (or SGLang's own SGLANG_PLUGINS filter) turns it off.  register() never raises.
+"""The SGLang plugin entry point under its earlier name, kept for one release: kvtrace 0.2.0
+removes it.  Its place is kvtrace.hook.sglang.plugin (pyproject.toml's ``sglang.srt.plugins``
+names that); an environment whose entry-point metadata still names this one loads the same hook.
 """
 from __future__ import annotations
 
-import logging
-import os
+from .sglang.plugin import register
 
-
-def register() -> None:
-    try:
-        if os.environ.get("KVTRACE_HOOK", "1") == "0":
-            return
-        from kvtrace.hook import sglang_hook  # lazy: register() costs nothing when KVTRACE_HOOK=0
-
-        sglang_hook.install()
-    except Exception as e:  # pragma: no cover - defensive: a plugin error must not stop SGLang
-        try:
-            logging.getLogger("sglang.kvtrace_hook").warning("kvtrace hook inactive (nothing patched): %s: %s",
-                                                             type(e).__name__, e)
-        except Exception:
-            pass
+__all__ = ["register"]

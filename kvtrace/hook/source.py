@@ -1,7 +1,8 @@
-"""A vLLM source tree read as files: modules parsed, classes found by name through the imports
-that re-export them, base classes followed, nothing imported.  The hook's checks
-(kvtrace.hook.plan) run on it in vLLM's interpreter before patching and, from the agent, on the
-files of a server it found (through /proc/PID/root) or of a release that cannot run here.
+"""A server's source tree (vLLM's, SGLang's) read as files: modules parsed, classes found by name
+through the imports that re-export them, base classes followed, nothing imported.  The hook's
+checks (kvtrace.hook.plan) run on it in the server's interpreter before patching and, from the
+agent, on the files of a server it found (through /proc/PID/root) or of a release that cannot
+run here.
 Standard library only.
 
 A tree under /proc/ (another process's files, seen from the agent: /proc/PID/root/…, or

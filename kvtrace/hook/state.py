@@ -1,59 +1,42 @@
-"""The hook's per-process state, shared by its engine and worker wrappers: the Transport, the
-bounded record queue and its flush, the engine's and the worker's state objects, agent and
-owner checks.  Standard library only (plus kvtrace.hook's exact/transport/wire, found by path
-when kvtrace is not importable).
+"""The hook's per-process state, shared by every server kind's wrappers: the Transport, the
+bounded record queue and its flush, the records that open a recording (hook_start, engine), the
+patch registry and status, the agent and owner checks.  Standard library only.
 
-The wrappers' modules (kvtrace.hook.engine, kvtrace.hook.worker) bind what they use from here
-as their own globals, once at import (functions and constants by ``from .state import``, the
-objects by assignment, ``S = state.S``): a hot path then pays one global lookup per name, as
-when the hook was one module, never an attribute lookup through this module.  So the state is
-only ever changed in place (attributes of ``S``, ``W`` and ``T``; items of ``_last``,
-``_OWNER``, ``_STATUS``, ``_REGISTRY``; ``_Q``'s contents), never rebound here.
+Nothing here knows a server kind.  A kind's package (kvtrace.hook.vllm, kvtrace.hook.sglang)
+keeps its own wrapper state and registers with ``on_leave`` what to run when the agent that
+injected the hook is gone (its uninstall); this module never imports a kind's package.
+
+The wrappers' modules bind what they use from here as their own globals, once at import
+(functions and constants by ``from ..state import``, the objects by assignment, ``T = state.T``):
+a hot path then pays one global lookup per name, never an attribute lookup through this module.
+So the state is only ever changed in place (attributes of ``T``; items of ``_last``, ``_OWNER``,
+``_STATUS``, ``_REGISTRY``, ``_LEAVE``; ``_Q``'s contents), never rebound here.
 """
 from __future__ import annotations
 
 import collections
-import logging
-import os
-import sys
 import threading
 import time
 
-# (exact, inline, why_not, wrapper and EVICTS_MAX are for the hook's other modules, which import
-# them from here: the fallback below is then in one place)
-try:
-    from kvtrace.hook.exact import exact, inline, why_not, wrapper
-    from kvtrace.hook.transport import Transport, agent_pids, owner_live
-    from kvtrace.hook.wire import CODEC, EVICTS_MAX
-except ImportError:  # imported from a path where kvtrace is not installed: use the sibling files
-    _root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    sys.path.insert(0, _root)
-    try:
-        from kvtrace.hook.exact import exact, inline, why_not, wrapper
-        from kvtrace.hook.transport import Transport, agent_pids, owner_live
-        from kvtrace.hook.wire import CODEC, EVICTS_MAX
-    finally:
-        sys.path.remove(_root)
+from .transport import Transport, agent_pids, owner_live
+from .wire import CODEC
 
 HOOK_VERSION = "5"  # 2: evictions batched (wire record 13); 3: records sent every 100 ms (record 14);
 # 4: one kv_step record per Worker step (record 15) instead of a kv_load and a kv_store;
-# 5: records 16-19 for the miss causes (lookup, prompt_plain, cached, resume_blocks); vLLM checked, not versioned
+# 5: records 16-19 for the miss causes (lookup, prompt_plain, cached, resume_blocks); servers checked, not versioned
 MAX_QUEUE = 20000          # records waiting for their flush
 # Engine records are sent at a step end once FLUSH_EVERY_NS have passed since the last send, once
 # FLUSH_RECORDS are queued, or when the scheduler has no request left (the engine then waits for
 # new ones, and the records must not wait with it).  A send is a system call, the hook's dearest
 # operation, so a fast engine sends a frame for several steps; records carry their own times.
-# (kvtrace.hook.engine and kvtrace.hook.worker read their own copies: set those to change it.)
+# (Each kind's wrapper modules read their own copies: set those to change it.)
 FLUSH_EVERY_NS = 100_000_000
 FLUSH_RECORDS = 256
-# The Worker sends at a step end once FLUSH_EVERY_NS have passed; otherwise a sleeping thread
-# sends FLUSH_EVERY_NS later, naming the Worker's thread in the frame (worker._Later).
 MAX_TRACKED = 65536        # per-request state entries (chunk counters, admission info)
 STATS_EVERY_NS = 1_000_000_000
 API_FLUSH_AFTER_NS = 200_000_000  # kv_transfer() flushes itself when no step end did for this long
 M64 = (1 << 64) - 1
 
-log = logging.getLogger("vllm.kvtrace_hook")
 _monotonic_ns = time.monotonic_ns
 
 # The transport: one per process, shared by every wrapper and by kvtrace.hook.api.
@@ -65,57 +48,6 @@ _LOCK = threading.Lock()
 _REGISTRY: dict[tuple[type, str], tuple[bool, object, object]] = {}
 _STATUS: dict = {"installed": False, "roles": [], "patched": [], "reason": "not installed"}
 _MARK = "__kvtrace_original__"
-
-
-class _Engine:
-    """EngineCore state, reset whenever the agent goes away."""
-
-    __slots__ = ("on", "rec", "step", "cur_req", "last_alloc", "reqs", "alloc", "steps", "evicted", "ev",
-                 "alloc_failures", "broken", "seen_check", "agents", "counting")
-
-    def __init__(self):
-        self.counting = False   # the hook numbers the steps (engine._schedule_pre_counting); kept over resets
-        self.reset()
-
-    def reset(self):
-        self.on = False
-        self.rec = False                      # records wanted (on, and vLLM's data as expected)
-        self.step = 0
-        self.cur_req = ""
-        self.last_alloc = ""                  # the request of the latest allocate_slots (preemptions)
-        self.reqs: dict[str, list] = {}      # request id -> [next chunk index, prefill_len, attempt] or _DECODING
-        self.alloc: dict[str, tuple] = {}    # request id -> (local, external, hit blocks, last hash)
-        self.steps: dict[int, tuple] = {}    # id(SchedulerOutput) -> step summary
-        self.evicted = 0
-        self.ev: list | None = None          # the open `evicts` batch: [step, t_ns, medium, request, blocks]
-        self.alloc_failures = 0
-        self.broken = ""
-        self.seen_check = 0
-        self.agents: frozenset = frozenset()   # the agents attached at the last flag check (_new_agent)
-
-
-class _Worker:
-    __slots__ = ("active", "on", "seen_check", "agents", "seq", "depth", "source", "t_bind", "load_t0",
-                 "load_t1", "waits", "wait_ns", "last_wait_end")
-
-    def __init__(self):
-        self.active = False
-        self.on = False
-        self.seen_check = 0
-        self.agents: frozenset = frozenset()
-        self.seq = 0
-        self.depth = 0
-        self.source = ""
-        self.begin(0)
-
-    def begin(self, now):
-        self.t_bind = now
-        self.load_t0 = self.load_t1 = 0
-        self.waits = self.wait_ns = self.last_wait_end = 0
-
-
-S = _Engine()
-W = _Worker()
 _last = {"flush": 0, "stats": 0}
 
 
@@ -149,7 +81,7 @@ def _flush(now: int, made_on: int = 0) -> None:
                 rec = popleft()
                 try:
                     b = enc[rec[0]](*rec)
-                except Exception as e:  # a bad value must never reach vLLM
+                except Exception as e:  # a bad value must never reach the server
                     T.error(e)
                     continue
                 size += len(b)
@@ -170,10 +102,10 @@ def _emit_stats(now: int) -> None:
     T.emit("hook_stats", now, T.emitted, T.dropped, T.errors, T.last_error)
 
 
-def _hook_start(role: str, engine: str = "vllm", version: str | None = None, block_size: int = 0) -> None:
-    """hook_start (its version field: the engine's version) and the engine record."""
+def _hook_start(role: str, engine: str, version: str, block_size: int = 0) -> None:
+    """hook_start (its version field: the server's version) and the engine record: the server
+    kind's name, its version, and its cache's tokens per block where the server fixes it."""
     now = time.monotonic_ns()
-    version = _vllm_version() if version is None else version
     _enqueue(("hook_start", now, role, version, HOOK_VERSION))
     _enqueue(("engine", now, engine, version, block_size))
     _last["stats"] = 0  # a hook_stats with the first flush
@@ -206,15 +138,6 @@ def _new_agent(state) -> bool:
     return new
 
 
-def _vllm_version() -> str:
-    try:
-        import vllm
-
-        return str(getattr(vllm, "__version__", "?"))
-    except Exception:
-        return "?"
-
-
 def record_transfer(direction, request_id, blocks, nbytes, t_start_ns, t_end_ns, source="") -> None:
     """kvtrace.hook.api.kv_transfer lands here (any thread)."""
     with _LOCK:
@@ -244,12 +167,21 @@ def record_transfer(direction, request_id, blocks, nbytes, t_start_ns, t_end_ns,
 
 
 # Live injection: the agent that installed this hook.  An injected hook leaves with its agent
-# (Ctrl-C, SIGTERM, --duration or SIGKILL alike): once the owner is gone, vLLM is restored.
+# (Ctrl-C, SIGTERM, --duration or SIGKILL alike): once the owner is gone, the server is restored
+# by what the kind's package registered (on_leave).
 _OWNER = {"pid": 0}
+_LEAVE: list = []
 
 
 def set_owner(pid: int) -> None:
     _OWNER["pid"] = int(pid)
+
+
+def on_leave(fn) -> None:
+    """Register ``fn(pid)``: run once the agent that injected the hook (``pid``) is gone, to
+    take the hook out (a kind's package registers its uninstall when it installs)."""
+    if fn not in _LEAVE:
+        _LEAVE.append(fn)
 
 
 def _leave_if_owner_gone() -> bool:
@@ -258,11 +190,12 @@ def _leave_if_owner_gone() -> bool:
     if not pid or owner_live(T.flag_path, pid):   # its flag entry: valid across pid namespaces
         return False
     _OWNER["pid"] = 0
-    from . import install   # (imported here: install imports the wrappers, which import this)
-
-    install.uninstall()
+    for fn in list(_LEAVE):
+        try:
+            fn(pid)
+        except Exception as e:   # never into the server
+            T.error(e)
     _STATUS.update(installed=False, reason=f"the agent that injected the hook (pid {pid}) exited")
-    log.info("kvtrace hook removed: its agent (pid %d) exited", pid)
     return True
 
 

@@ -16,7 +16,7 @@ import fcntl
 import os
 import time
 
-from kvtrace.hook.wire import CODEC, MAGIC, MAX_FRAME
+from .wire import CODEC, MAGIC, MAX_FRAME
 
 MARK_FD = -4242
 # A directory with one file per attached agent, named by its pid (several agents may attach at
@@ -118,7 +118,7 @@ class Transport:
             return
         try:
             rec = CODEC.encode(name, *values)
-        except Exception as e:  # a bad value must never reach vLLM
+        except Exception as e:  # a bad value must never reach the server
             self.error(e)
             return
         if self.size + len(rec) > self.max_buffer:

@@ -22,7 +22,7 @@ MAX_FRAME = 4000  # bytes per marker write, magic included (the BPF side copies 
 RECORDS: dict[int, tuple[str, list[tuple[str, str]]]] = {
     1: ("hook_start", [("t_ns", "Q"), ("role", "s"), ("vllm_version", "s"), ("hook_version", "s")]),
     2: ("hook_stats", [("t_ns", "Q"), ("emitted", "Q"), ("dropped", "Q"), ("errors", "Q"), ("last_error", "s")]),
-    # EngineCore (kvtrace.hook.vllm_hook; docs/hook.md).  `step` is vLLM's Scheduler.current_step.
+    # EngineCore (kvtrace.hook.vllm.hook; docs/hook.md).  `step` is vLLM's Scheduler.current_step.
     # One per engine step: schedule() start, schedule() return, update_from_output() end.
     3: ("step", [("step", "Q"), ("t_start_ns", "Q"), ("t_sched_end_ns", "Q"), ("t_end_ns", "Q"),
                  ("num_reqs", "I"), ("total_tokens", "I"), ("prefill_reqs", "I"), ("prefill_tokens", "I"),
@@ -112,6 +112,7 @@ RECORDS: dict[int, tuple[str, list[tuple[str, str]]]] = {
 }
 
 EVICTS_MAX = 200  # evictions per `evicts` record (3,200 bytes of blocks: one record fits a frame)
+PROMPT_PIECE = 448  # hashes per prompt_blocks, resume_blocks, prompt_plain or cached record (3,584 bytes)
 
 
 def evict_rows(rec: dict) -> list[dict]:

@@ -85,17 +85,19 @@ def _remote_exec(pid: int, inner_path: str, timeout: float) -> None:
 
 def hook(pid: int, action: str = "install", timeout: float = 10.0, checked: dict | None = None,
          *, module: str, owned: bool = True) -> dict:
-    """Install or uninstall the hook ``module`` (a server kind's ``hook_module``) in pid; returns the loader's
-    report.  ``checked``: the verdict on the target's source (kvtrace.hook.support.check), which
-    the hook uses instead of reading that source again while the target waits.  ``owned``: a
-    hook this call installs leaves when this process exits (attach); else it stays until removed."""
+    """Install or uninstall the hook ``module`` (a server kind's ``hook_module``) in pid, from its
+    files staged in the target (kvtrace.inject.stage.hook_files); returns the loader's report.
+    ``checked``: the verdict on the target's source (the kind's support check,
+    kvtrace.servers.kind), which the hook uses instead of reading that source again while the
+    target waits.  ``owned``: a hook this call installs leaves when this process exits (attach);
+    else it stays until removed."""
     phases.mark("inject_start", action, pid)
     try:
         major, minor = python_version(pid)
         if minor < 11:
             raise TargetError(f"process {pid} runs Python 3.{minor}; live injection supports 3.11+")
         try:
-            st = stage.stage(pid, python=(major, minor))
+            st = stage.stage(pid, python=(major, minor), module=module)
         except confined.UnsafePath as e:
             raise TargetError(f"process {pid}: the hook is not staged: {e}") from None
         try:

@@ -101,9 +101,9 @@ def render(files: dict, result_path: str, action: str, owner: int = 0, checked: 
     """The loader's code.  files: module name -> [path inside the target, sha256, is a package,
     bytecode path or "", its sha256] (kvtrace.inject.stage.Staged.files).  owner: the agent's pid;
     a hook this injection installs removes itself when it exits (a hook that was already there,
-    e.g. the plugin's, stays).  checked: the agent's verdict on the target's source
-    (kvtrace.hook.support.check), or None.  module: the hook module to import and run ``action`` of
-    (the server kind's ``hook_module``, kvtrace.servers.kind)."""
+    e.g. the plugin's, stays).  checked: the agent's verdict on the target's source (the kind's
+    support check), or None.  module: the hook module to import and run ``action`` of (the server
+    kind's ``hook_module``; kvtrace.servers.kind)."""
     return (TEMPLATE.replace("@FILES@", repr({k: list(v) for k, v in files.items()}))
             .replace("@RESULT@", json.dumps(result_path)).replace("@MODULE@", json.dumps(module))
             .replace("@ACTION@", json.dumps(action)).replace("@OWNER@", str(int(owner)))

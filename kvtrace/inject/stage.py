@@ -8,6 +8,11 @@ exclusively with a random name, root's, mode 0755, every file written with
 sticky where others can write in it; otherwise the injection is refused in one line.  The
 directory is removed when the injection ends: nothing stays on a shared path.
 
+The files staged are those the hook module needs and no others (``hook_files``): its own and,
+transitively, every kvtrace module it imports, read from their source, with the ``__init__.py``
+of each package on the way.  vLLM's injection therefore carries none of SGLang's files, and the
+other way round.
+
 The target is never told to import a path: the loader (kvtrace.inject.loader) reads each
 file, checks its SHA-256 against the digests the agent handed it in the injected code itself,
 and runs modules only from the bytes it checked.  When the target runs the agent's Python
@@ -16,6 +21,7 @@ which holds the target's main thread, does not compile about 1,500 lines.
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import marshal
 import os
@@ -27,13 +33,6 @@ from pathlib import Path
 import kvtrace
 from kvtrace.host import confined
 
-# Every module the hook imports (vllm_hook.py imports state, engine, worker, targets, patch and
-# install; targets the plan's needs, plan, source, support and releases; sglang_hook.py its
-# sglang_needs and sglang_engine).
-HOOK_FILES = ["__init__.py", "hook/__init__.py", "hook/exact.py", "hook/wire.py", "hook/transport.py", "hook/api.py",
-              "hook/state.py", "hook/engine.py", "hook/worker.py", "hook/patch.py", "hook/source.py", "hook/plan.py",
-              "hook/needs.py", "hook/releases.py", "hook/support.py", "hook/targets.py", "hook/install.py",
-              "hook/sglang_needs.py", "hook/sglang_engine.py", "hook/sglang_hook.py", "hook/vllm_hook.py"]
 RESULT_DIR = "r"
 
 
@@ -44,6 +43,60 @@ def package_dir() -> Path:
 def module_name(rel: str) -> str:
     return "kvtrace." + rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".") if rel != "__init__.py" \
         else "kvtrace"
+
+
+def module_file(name: str) -> str | None:
+    """The file of the kvtrace module ``name``, relative to the package directory, or None."""
+    if name != "kvtrace" and not name.startswith("kvtrace."):
+        return None
+    base = name.removeprefix("kvtrace").lstrip(".").replace(".", "/")
+    for rel in (f"{base}.py", f"{base}/__init__.py") if base else ("__init__.py",):
+        if (package_dir() / rel).is_file():
+            return rel
+    return None
+
+
+def hook_files(module: str) -> list[str]:
+    """The files to stage for the hook ``module`` (a server kind's ``hook_module``), relative to
+    the package directory: its own, every kvtrace module it imports, transitively (relative and
+    absolute imports, at module level, in a block or inside a function; not those under ``if
+    TYPE_CHECKING:``), and the ``__init__.py`` of each package on the way.  ValueError names an
+    import of kvtrace that is no module (the hook would not load)."""
+    todo, found = [module], {}
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        rel = module_file(name)
+        if rel is None:
+            raise ValueError(f"{name} is not a module of kvtrace")
+        found[name] = rel
+        todo += [name.rsplit(".", n)[0] for n in range(1, name.count(".") + 1)]   # its packages
+        todo += _imports(rel, name)
+    return sorted(found.values())
+
+
+def _imports(rel: str, name: str) -> list[str]:
+    """The kvtrace modules one file imports: each ``import``'s name, each ``from X import a``'s X
+    and X.a where that is a module (relative ones resolved against the file's package)."""
+    tree = ast.parse((package_dir() / rel).read_bytes(), rel)
+    typing_only = {id(inner) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and "TYPE_CHECKING" in ast.unparse(block.test) for stmt in block.body for inner in ast.walk(stmt)}
+    package = name if rel.endswith("__init__.py") else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names if a.name.split(".")[0] == "kvtrace"]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            if base.split(".")[0] == "kvtrace":
+                out += [base] + [f"{base}.{a.name}" for a in node.names if module_file(f"{base}.{a.name}")]
+    return out
 
 
 def target_uid(pid: int) -> int:
@@ -71,10 +124,12 @@ class Staged:
         os.close(self.tmp_fd)
 
 
-def stage(pid: int, base: str = "/tmp", python: tuple[int, int] | None = None, root: str | None = None) -> Staged:
-    """Copy the hook into a new ``<base>/kvtrace-<random>`` in the target's tree; its results
-    subdirectory belongs to the target's user (mode 0700), the rest to root.  ``python``: the
-    target's (major, minor); the same as ours adds the bytecode."""
+def stage(pid: int, base: str = "/tmp", python: tuple[int, int] | None = None, root: str | None = None,
+          *, module: str) -> Staged:
+    """Copy the files of the hook ``module`` (hook_files) into a new ``<base>/kvtrace-<random>``
+    in the target's tree; its results subdirectory belongs to the target's user (mode 0700), the
+    rest to root.  ``python``: the target's (major, minor); the same as ours adds the bytecode."""
+    files = hook_files(module)
     uid = target_uid(pid)
     with confined.Root(root or f"/proc/{pid}/root") as r:
         tmp_fd = r.opendir(base, owners={0, uid, r.uid})
@@ -88,17 +143,17 @@ def stage(pid: int, base: str = "/tmp", python: tuple[int, int] | None = None, r
     try:
         st.result_fd = confined.mkdir_exclusive(dir_fd, RESULT_DIR, 0o700, f"{st.inner}/{RESULT_DIR}")
         os.fchown(st.result_fd, uid, -1)
-        _write_hook(st, python == tuple(sys.version_info[:2]))
+        _write_hook(st, files, python == tuple(sys.version_info[:2]))
     except BaseException:
         st.close()
         raise
     return st
 
 
-def _write_hook(st: Staged, compile_too: bool) -> None:
+def _write_hook(st: Staged, files: list[str], compile_too: bool) -> None:
     dirs: dict[str, int] = {"": st.dir_fd}
     try:
-        for rel in HOOK_FILES:
+        for rel in files:
             parent = os.path.dirname(f"kvtrace/{rel}")
             fd = _subdir(st, dirs, parent)
             inner = f"{st.inner}/kvtrace/{rel}"
@@ -117,8 +172,8 @@ def _write_hook(st: Staged, compile_too: bool) -> None:
 
 
 def _subdir(st: Staged, dirs: dict[str, int], key: str) -> int:
-    """The directory ``key`` ("kvtrace", "kvtrace/hook") below the staged one, made by this
-    staging the first time it is asked for."""
+    """The directory ``key`` ("kvtrace", "kvtrace/hook", "kvtrace/hook/vllm") below the staged
+    one, made by this staging the first time it is asked for."""
     if key not in dirs:
         parent = _subdir(st, dirs, os.path.dirname(key))
         dirs[key] = confined.mkdir_exclusive(parent, os.path.basename(key), 0o755, f"{st.inner}/{key}")

@@ -50,10 +50,10 @@ def _checked(key: str, root: str, kind, shown: str) -> dict | None:
     return _CACHE[key]
 
 
-def _unreadable(engine: str, shown: str, why: str) -> dict:
-    """A verdict that refuses the hook because the engine's files are not safe to read."""
+def _unreadable(kind: str, shown: str, why: str) -> dict:
+    """A verdict that refuses the hook because the server's files are not safe to read."""
     return {"version": None, "root": shown, "supported": False, "roles": {"engine": [why], "worker": [why]},
-            "connector": [why], "releases": {}, "files": {}, "engine": engine, "unreadable": why}
+            "connector": [why], "releases": {}, "files": {}, "kind": kind, "unreadable": why}
 
 
 def label(v: dict | None) -> str:

@@ -46,7 +46,7 @@ def _started(argv: list[str], **kw) -> subprocess.Popen:
 def _old_name() -> str:
     """The predictable directory earlier kvtrace staged to and used when it existed."""
     h = hashlib.sha256()
-    for rel in stage.HOOK_FILES:
+    for rel in stage.hook_files(VLLM_HOOK):
         h.update((stage.package_dir() / rel).read_bytes())
     return f"kvtrace-hook-0.1.0-{h.hexdigest()[:12]}"
 
@@ -62,7 +62,7 @@ def planted(tmp_path):
         shutil.rmtree(d)
     code = f"open({str(marker)!r}, 'w').write('planted')\n"
     script = ("import os, sys\nd, code = sys.argv[1], sys.argv[2]\n"
-              f"for rel in {stage.HOOK_FILES!r}:\n"
+              f"for rel in {stage.hook_files(VLLM_HOOK)!r}:\n"
               "    p = os.path.join(d, 'kvtrace', rel)\n    os.makedirs(os.path.dirname(p), exist_ok=True)\n"
               "    open(p, 'w').write(code)\n")
     subprocess.run(["/usr/bin/python3", "-c", script, str(d), code], check=True, preexec_fn=_as(ATTACKER))

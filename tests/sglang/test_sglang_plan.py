@@ -1,4 +1,4 @@
-"""The SGLang hook's checks (kvtrace.hook.sglang_needs) against SGLang 0.5.23's own source: they
+"""The SGLang hook's checks (kvtrace.hook.sglang.needs) against SGLang 0.5.23's own source: they
 pass on it, and each fails, naming the target and what differs, when that source changes; the
 hook itself, imported into SGLang's interpreter, refuses the changed SGLang and patches nothing."""
 from __future__ import annotations
@@ -12,6 +12,7 @@ import pytest
 
 from kvtrace.demo.sglang_server import sglang_python
 from kvtrace.hook import support
+from kvtrace.hook.sglang import support as sglang_support
 from tests import helpers
 from tests.sglang.conftest import STUB
 
@@ -53,25 +54,26 @@ def shadow(src: Path, dst: Path, rel: str, old: str, new: str) -> Path:
 
 
 def test_the_plan_passes_on_sglang_0_5_23():
-    v = support.check(str(site()), "sglang")
+    v = sglang_support.check(str(site()))
     assert v["version"] == "0.5.23" and v["supported"] and v["roles"] == {"engine": []}, v["roles"]
-    assert support.engine_at(str(site().parent)) == "vllm"   # a directory without sglang/
+    assert v["kind"] == "sglang"
+    assert sglang_support.check(str(site().parent))["roles"] == {"engine": ["sglang: no SGLang package here"]}
 
 
 @pytest.mark.parametrize("change", CHANGES, ids=[c[3].split(":")[0] for c in CHANGES])
 def test_the_plan_fails_when_a_target_changes(tmp_path, change):
     rel, old, new, want = change
     root = shadow(site(), tmp_path / "tree", rel, old, new)
-    v = support.check(str(root))   # found to be SGLang by its files
+    v = sglang_support.check(str(root))
     found = v["roles"]["engine"]
-    assert v["engine"] == "sglang" and not v["supported"] and len(found) == 1 and found[0].startswith(want), found
+    assert v["kind"] == "sglang" and not v["supported"] and len(found) == 1 and found[0].startswith(want), found
     assert support.reason(v) == found[0]
 
 
 def test_the_hook_refuses_a_changed_sglang_in_its_interpreter(tmp_path):
     rel, old, new, want = CHANGES[0]
     root = shadow(site(), tmp_path / "tree", rel, old, new)
-    code = ("import json, kvtrace.hook.sglang_hook as h; ok = h.install();"
+    code = ("import json, kvtrace.hook.sglang.hook as h; ok = h.install();"
             "print(json.dumps({'ok': ok, 'status': h.status()}, default=str))")
     out = subprocess.run([sglang_python(), "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO,
                          env={**os.environ, "PYTHONPATH": f"{root}:{STUB}:{REPO}", "SGLANG_USE_CPU_ENGINE": "1"})

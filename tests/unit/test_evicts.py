@@ -6,7 +6,7 @@ import struct
 
 from kvtrace.capture import events, usermark
 from kvtrace.capture.events import DecodeContext
-from kvtrace.hook import engine as hook
+from kvtrace.hook.vllm import engine as hook
 from kvtrace.hook.wire import CODEC, EVICTS_MAX, MAGIC
 
 

@@ -129,7 +129,7 @@ def test_inline_writes_a_body_around_the_call_with_the_parameters_checked():
 
 def _inlined_hook(monkeypatch):
     """The hook's inlined wrappers on stand-ins of vLLM's classes, with records on."""
-    from kvtrace.hook import targets as hook
+    from kvtrace.hook.vllm import targets as hook
 
     monkeypatch.setattr(hook.S, "rec", True)
     monkeypatch.setattr(hook.S, "cur_req", "outer")

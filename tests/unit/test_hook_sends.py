@@ -54,7 +54,7 @@ def test_the_sender_names_the_calling_thread_and_starts_again_in_a_forked_child(
     import os
     import threading
 
-    from kvtrace.hook import worker as hook
+    from kvtrace.hook.vllm import worker as hook
 
     later = hook._Later()
     later.arm()

@@ -13,7 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvtrace.hook import engine, sglang_engine, state
+from kvtrace.hook import state
+from kvtrace.hook.sglang import engine as sglang_engine
+from kvtrace.hook.vllm import engine
 
 
 @pytest.fixture
@@ -23,7 +25,7 @@ def flag(tmp_path, monkeypatch):
     d.mkdir()
     monkeypatch.setattr(state.T, "flag_path", str(d))
     state.T.enabled, state.T.next_check = False, 0
-    state.S.reset()
+    engine.S.reset()
     sglang_engine.G.reset()
     state._Q.clear()
     others = []
@@ -43,7 +45,7 @@ def flag(tmp_path, monkeypatch):
     for p in others:
         p.kill()
         p.wait()
-    state.S.reset()
+    engine.S.reset()
     sglang_engine.G.reset()
     state._Q.clear()
     state.T.enabled, state.T.next_check = False, 0
@@ -82,7 +84,7 @@ def test_vllm_a_snapshot_at_the_attach_and_at_each_arrival_none_at_a_departure(f
     assert vllm_step(sched) == []
     assert vllm_step(sched) == []
     flag.gone(me)                                                         # no agent: off
-    assert vllm_step(sched) == [] and not state.S.on
+    assert vllm_step(sched) == [] and not engine.S.on
 
 
 def sglang_scheduler():

@@ -37,7 +37,7 @@ DIST = {
 }
 # Code that runs inside vLLM's interpreter (kvtrace installed there with --no-deps): the standard
 # library, kvtrace.hook and what vLLM itself brings.  Their parents' __init__ run there too.
-IN_VLLM = ["kvtrace/__init__.py", "kvtrace/hook/", "kvtrace/servers/__init__.py", "kvtrace/hook/fileconnector.py"]
+IN_VLLM = ["kvtrace/__init__.py", "kvtrace/hook/", "kvtrace/servers/__init__.py"]
 VLLM_SIDE = {"vllm", "torch", "sglang"}
 ROOT_FILES = ("pyproject.toml", "setup.py", "README.md", "LICENSE")
 
@@ -155,8 +155,8 @@ def test_wheel_entry_points(built_dist):
     ep = configparser.ConfigParser()
     ep.read_string(wheel_text(built_dist[0], "entry_points.txt"))
     assert dict(ep["console_scripts"]) == {"kvtrace": "kvtrace.__main__:main"}
-    assert dict(ep["vllm.general_plugins"]) == {"kvtrace": "kvtrace.hook.plugin:register"}
-    assert dict(ep["sglang.srt.plugins"]) == {"kvtrace": "kvtrace.hook.sglang_plugin:register"}
+    assert dict(ep["vllm.general_plugins"]) == {"kvtrace": "kvtrace.hook.vllm.plugin:register"}
+    assert dict(ep["sglang.srt.plugins"]) == {"kvtrace": "kvtrace.hook.sglang.plugin:register"}
 
 
 def test_requires_dist_matches_imports(built_dist):
@@ -191,7 +191,7 @@ def test_sdist_holds_the_sources(built_dist):
 
 SMOKE = r"""
 import importlib, json, pkgutil
-import kvtrace, kvtrace.inject, kvtrace.hook.plugin, kvtrace.bpf
+import kvtrace, kvtrace.inject, kvtrace.hook.vllm.plugin, kvtrace.hook.sglang.plugin, kvtrace.bpf
 from kvtrace.capture import program
 failed, skipped = {}, []
 for m in pkgutil.walk_packages(kvtrace.__path__, "kvtrace."):
@@ -203,8 +203,12 @@ for m in pkgutil.walk_packages(kvtrace.__path__, "kvtrace."):
         else:
             failed[m.name] = repr(e)
 plan = program.plan(tp=lambda *a, **k: True)  # reads every probe source from kvtrace.bpf
+from kvtrace.hook import plugin, sglang_plugin, vllm_hook   # the earlier names, kept for one release
+shims = (plugin.register is kvtrace.hook.vllm.plugin.register
+         and sglang_plugin.register is kvtrace.hook.sglang.plugin.register
+         and vllm_hook.install is importlib.import_module("kvtrace.hook.vllm.hook").install)
 print(json.dumps({"file": kvtrace.__file__, "bpf": str(kvtrace.bpf.SOURCE_DIR), "failed": failed,
-                  "skipped": skipped, "probes": plan.attached}))
+                  "skipped": skipped, "probes": plan.attached, "shims": shims}))
 """
 
 
@@ -224,8 +228,9 @@ def test_wheel_installs_and_runs_outside_the_checkout(built_dist, tmp_path):
     got = json.loads(r.stdout.splitlines()[-1])
     assert got["file"].startswith(str(venv)) and got["bpf"].startswith(str(venv)), got
     assert not got["failed"], f"modules that do not import from the installed wheel: {got['failed']}"
-    assert set(got["skipped"]) <= {"kvtrace.hook.fileconnector"}, got["skipped"]  # needs vLLM and torch
-    assert "proc" in got["probes"], got
+    # the file connector (and its shim under the earlier name) needs vLLM and torch
+    assert set(got["skipped"]) <= {"kvtrace.hook.vllm.fileconnector", "kvtrace.hook.fileconnector"}, got["skipped"]
+    assert "proc" in got["probes"] and got["shims"], got
 
     r = run([venv / "bin/kvtrace", "--help"])
     assert r.returncode == 0 and "doctor" in r.stdout, r.stdout + r.stderr

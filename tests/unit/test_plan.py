@@ -9,8 +9,10 @@ import textwrap
 
 import pytest
 
-from kvtrace.hook import plan, releases, support
+from kvtrace.hook import plan, support
 from kvtrace.hook.source import SourceTree
+from kvtrace.hook.vllm import releases
+from kvtrace.hook.vllm import support as vllm_support
 
 FILES = {
     "vllm/__init__.py": "",
@@ -130,8 +132,8 @@ def test_first_difference_and_verdict_files(tree):
 
 
 def test_a_tree_without_vllm_is_refused_by_name(tmp_path):
-    v = support.check(str(tmp_path))
-    assert not v["supported"] and v["version"] is None
+    v = vllm_support.check(str(tmp_path))
+    assert not v["supported"] and v["version"] is None and v["kind"] == "vllm"
     assert support.reason(v) == "vllm: no vLLM package here"
 
 

@@ -21,12 +21,14 @@ from kvtrace.servers import registry
 from tests.helpers import tree_state
 
 PY = "/usr/bin/python3"
+VLLM, SGLANG = registry.kind("vllm").hook_module, registry.kind("sglang").hook_module
 
 
-def _run_loader(st: stage.Staged, action: str = "install", name: str = "loader.py") -> tuple[dict | None, str]:
+def _run_loader(st: stage.Staged, action: str = "install", name: str = "loader.py",
+                module: str = VLLM) -> tuple[dict | None, str]:
     """Write the loader as the injector does and run the injected line in a child; (its report, the
     child's kvtrace modules)."""
-    code = loader.render(st.files, f"{st.inner}/r/{name}.json", action, module=registry.kind("vllm").hook_module).encode()
+    code = loader.render(st.files, f"{st.inner}/r/{name}.json", action, module=module).encode()
     confined.write_exclusive(st.dir_fd, name, code)
     line = loader.bootstrap(f"{st.inner}/{name}", code)
     p = subprocess.run([PY, "-c", line + "\nimport sys; print(sorted(m for m in sys.modules if 'kvtrace' in m))"],
@@ -42,7 +44,7 @@ def _same_minor() -> bool:
 
 
 def test_a_new_private_directory_for_each_injection_removed_at_the_end(tmp_path):
-    a, b = stage.stage(os.getpid(), base=str(tmp_path)), stage.stage(os.getpid(), base=str(tmp_path))
+    a, b = stage.stage(os.getpid(), base=str(tmp_path), module=VLLM), stage.stage(os.getpid(), base=str(tmp_path), module=VLLM)
     try:
         assert a.inner != b.inner and os.path.basename(a.inner).startswith("kvtrace-")
         st = os.stat(a.inner)
@@ -59,7 +61,7 @@ def test_a_new_private_directory_for_each_injection_removed_at_the_end(tmp_path)
 
 @pytest.mark.skipif(not _same_minor(), reason="/usr/bin/python3 is not the agent's Python minor version")
 def test_the_target_runs_the_checked_bytecode(tmp_path):
-    st = stage.stage(os.getpid(), base=str(tmp_path), python=sys.version_info[:2])
+    st = stage.stage(os.getpid(), base=str(tmp_path), python=sys.version_info[:2], module=VLLM)
     try:
         assert all(e[3].endswith(".pyc") and os.path.isfile(e[3]) for e in st.files.values())
         os.unlink(st.files["kvtrace.hook.wire"][0])    # the source is not what runs: the checked bytecode is
@@ -67,12 +69,27 @@ def test_the_target_runs_the_checked_bytecode(tmp_path):
     finally:
         st.close()
     assert "error" not in rep, rep
-    assert rep["hook_file"] == f"{st.inner}/kvtrace/hook/vllm_hook.py"
-    assert "'kvtrace.hook.wire'" in mods and "'kvtrace.hook.vllm_hook'" in mods
+    assert rep["hook_file"] == f"{st.inner}/kvtrace/hook/vllm/hook.py"
+    assert "'kvtrace.hook.wire'" in mods and "'kvtrace.hook.vllm.hook'" in mods and "sglang" not in mods
+
+
+def test_sglang_s_hook_runs_from_its_own_staged_files_alone(tmp_path):
+    """SGLang's injection stages SGLang's hook and the shared parts, none of vLLM's, and the
+    hook loads from them (install then finds no SGLang in this interpreter and says so)."""
+    st = stage.stage(os.getpid(), base=str(tmp_path), module=SGLANG)
+    try:
+        assert not [m for m in st.files if m.startswith("kvtrace.hook.vllm")], sorted(st.files)
+        rep, mods = _run_loader(st, module=SGLANG)
+    finally:
+        st.close()
+    assert "error" not in rep and rep["installed"] is False, rep
+    assert rep["status"]["reason"].startswith("install failed: ModuleNotFoundError"), rep["status"]
+    assert rep["hook_file"] == f"{st.inner}/kvtrace/hook/sglang/hook.py"
+    assert "'kvtrace.hook.sglang.hook'" in mods and "vllm" not in mods
 
 
 def test_other_python_target_gets_sources_only(tmp_path):
-    st = stage.stage(os.getpid(), base=str(tmp_path), python=(3, sys.version_info[1] + 1))
+    st = stage.stage(os.getpid(), base=str(tmp_path), python=(3, sys.version_info[1] + 1), module=VLLM)
     try:
         assert not [e for e in st.files.values() if e[3]]
         assert not [f for _, _, fs in os.walk(st.inner) for f in fs if f.endswith(".pyc")]
@@ -86,7 +103,7 @@ def test_other_python_target_gets_sources_only(tmp_path):
 def test_a_changed_staged_file_never_runs(tmp_path, victim):
     marker = tmp_path / "ran"
     (tmp_path / "base").mkdir()
-    st = stage.stage(os.getpid(), base=str(tmp_path / "base"))
+    st = stage.stage(os.getpid(), base=str(tmp_path / "base"), module=VLLM)
     try:
         path = st.files[victim][3] or st.files[victim][0]
         os.chmod(path, 0o644)
@@ -102,9 +119,9 @@ def test_a_changed_staged_file_never_runs(tmp_path, victim):
 
 def test_a_changed_loader_never_runs(tmp_path):
     marker = tmp_path / "ran"
-    st = stage.stage(os.getpid(), base=str(tmp_path))
+    st = stage.stage(os.getpid(), base=str(tmp_path), module=VLLM)
     try:
-        code = loader.render(st.files, f"{st.inner}/r/x.json", "install", module=registry.kind("vllm").hook_module).encode()
+        code = loader.render(st.files, f"{st.inner}/r/x.json", "install", module=VLLM).encode()
         confined.write_exclusive(st.dir_fd, "loader.py", f"open({str(marker)!r}, 'w')\n".encode())
         p = subprocess.run([PY, "-c", loader.bootstrap(f"{st.inner}/loader.py", code)], capture_output=True,
                            text=True, cwd="/", timeout=60)
@@ -121,9 +138,10 @@ def test_a_planted_directory_of_the_old_predictable_name_is_never_imported(tmp_p
     os.chmod(base, 0o1777)
     planted = base / "kvtrace-hook-0.1.0-000000000000" / "kvtrace"
     (planted / "hook").mkdir(parents=True)
-    for rel in stage.HOOK_FILES:
+    for rel in stage.hook_files(VLLM):
+        (planted / rel).parent.mkdir(parents=True, exist_ok=True)
         (planted / rel).write_text(f"open({str(marker)!r}, 'w').write('planted')\n")
-    st = stage.stage(os.getpid(), base=str(base))
+    st = stage.stage(os.getpid(), base=str(base), module=VLLM)
     try:
         rep, _ = _run_loader(st)
     finally:
@@ -143,7 +161,7 @@ def test_a_base_reached_through_a_link_is_refused_and_the_host_left_alone(tmp_pa
     (root / "tmp").symlink_to(str(host_dir))
     before = tree_state(host_dir)
     with pytest.raises(confined.UnsafePath, match=rf"^{root}/tmp: not used, it is, or passes through, a symbolic link$"):
-        stage.stage(os.getpid(), base="/tmp", root=str(root))
+        stage.stage(os.getpid(), base="/tmp", root=str(root), module=VLLM)
     assert tree_state(host_dir) == before
 
 
@@ -154,7 +172,7 @@ def test_a_link_on_the_way_is_refused(tmp_path):
     root.mkdir()
     (root / "var").symlink_to(str(host_dir))
     with pytest.raises(confined.UnsafePath, match=rf"^{root}/var/tmp: not used, it is, or passes through, a symbolic link$"):
-        stage.stage(os.getpid(), base="/var/tmp", root=str(root))
+        stage.stage(os.getpid(), base="/var/tmp", root=str(root), module=VLLM)
     assert os.listdir(host_dir / "tmp") == []
 
 
@@ -167,11 +185,11 @@ def test_the_base_must_be_safe_from_other_users(tmp_path, mode, owner, ok):
     os.chown(base, os.getuid() if owner == "target" else owner, -1)
     os.chmod(base, mode)
     if ok:
-        stage.stage(os.getpid(), base=str(base)).close()
+        stage.stage(os.getpid(), base=str(base), module=VLLM).close()
         assert os.listdir(base) == []
     else:
         with pytest.raises(confined.UnsafePath, match=rf"^/proc/{os.getpid()}/root{base}: not used, "):
-            stage.stage(os.getpid(), base=str(base))
+            stage.stage(os.getpid(), base=str(base), module=VLLM)
 
 
 def test_the_walk_without_openat2_refuses_links_and_dotdot(tmp_path, monkeypatch):
@@ -188,13 +206,20 @@ def test_the_walk_without_openat2_refuses_links_and_dotdot(tmp_path, monkeypatch
 
 
 def _hook_imports(rel: str) -> set[str]:
-    """The kvtrace modules one hook file imports (relative, absolute and importlib by name)."""
+    """The kvtrace modules one hook file imports (relative and absolute, anywhere in the file but
+    under ``if TYPE_CHECKING:``), read here independently of kvtrace.inject.stage."""
     import ast
 
     tree = ast.parse((stage.package_dir() / rel).read_text())
-    pkg = stage.module_name(rel).rsplit(".", 1)[0] if not rel.endswith("__init__.py") else stage.module_name(rel)
+    pkg = stage.module_name(rel) if rel.endswith("__init__.py") else stage.module_name(rel).rsplit(".", 1)[0]
+    typing_only = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            typing_only |= {id(n) for b in node.body for n in ast.walk(b)}
     out = set()
     for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
@@ -205,11 +230,7 @@ def _hook_imports(rel: str) -> set[str]:
                 out.update(f"{base}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name.startswith("kvtrace"))
-        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module" and node.args:
-            arg = node.args[0]
-            if isinstance(arg, ast.BinOp) and isinstance(arg.right, ast.Constant):   # _PKG + ".state"
-                out.add("kvtrace.hook" + arg.right.value)
-    return {m for m in out if _module_file(m)} | {"kvtrace", "kvtrace.hook"}
+    return {m for m in out if _module_file(m)}
 
 
 def _module_file(m: str) -> str | None:
@@ -220,17 +241,31 @@ def _module_file(m: str) -> str | None:
     return None
 
 
-def test_the_staged_files_are_exactly_what_the_hooks_import():
-    """Staged: the closure of vllm_hook's and sglang_hook's kvtrace imports, no more, no less."""
-    want, todo = set(), ["kvtrace.hook.vllm_hook", "kvtrace.hook.sglang_hook"]
-    files = {stage.module_name(r): r for r in stage.HOOK_FILES}
+def _closure(module: str) -> set[str]:
+    """The files a hook module needs: its own, those of what it imports, transitively, and of
+    every package on the way."""
+    want, todo = set(), [module]
     while todo:
         m = todo.pop()
         if m in want:
             continue
         want.add(m)
-        rel = files.get(m) or _module_file(m)
+        rel = _module_file(m)
         assert rel is not None, f"{m} is imported by the hook but is not a module"
         todo.extend(_hook_imports(rel) - want)
-    assert want == set(files), (f"staged but not imported: {sorted(set(files) - want)}; "
-                                f"imported but not staged: {sorted(want - set(files))}")
+        todo.extend(".".join(m.split(".")[:i]) for i in range(1, m.count(".") + 1))
+    return {_module_file(m) for m in want}
+
+
+@pytest.mark.parametrize("kind", registry.names())
+def test_the_staged_files_are_exactly_what_the_hooks_import(kind):
+    """Staged for a kind: the closure of its hook module's kvtrace imports, no more, no less; and
+    none of another kind's hook package."""
+    module = registry.kind(kind).hook_module
+    staged = set(stage.hook_files(module))
+    want = _closure(module)
+    assert staged == want, (f"staged but not imported: {sorted(staged - want)}; "
+                            f"imported but not staged: {sorted(want - staged)}")
+    others = {f"hook/{k}/" for k in registry.names() if k != kind}
+    assert not [f for f in staged if f.startswith(tuple(others))], sorted(staged)
+    assert f"hook/{kind}/hook.py" in staged and "hook/state.py" in staged

@@ -108,7 +108,7 @@ def run(tmp_path_factory):
     blocks, stats = base / "blocks", base / "stats"
     cfg = {
         "kv_connector": "KvtraceFileConnector", "kv_role": "kv_both",
-        "kv_connector_module_path": "kvtrace.hook.fileconnector",
+        "kv_connector_module_path": "kvtrace.hook.vllm.fileconnector",
         "kv_connector_extra_config": {"path": str(blocks), "stats_dir": str(stats)},
     }
     server = VllmServer(args=[*COMMON, "--kv-transfer-config", json.dumps(cfg)], port=free_port(8200, 8299),
@@ -250,12 +250,12 @@ ROUND_TRIP = textwrap.dedent("""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from kvtrace.hook.fileconnector import BlockTransfer, FileConnectorMetadata, KvtraceFileConnector
+    from kvtrace.hook.vllm.fileconnector import BlockTransfer, FileConnectorMetadata, KvtraceFileConnector
 
     model, d = sys.argv[1], sys.argv[2]
     NB, names = 8, ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
     kvt = KVTransferConfig(kv_connector="KvtraceFileConnector", kv_role="kv_both",
-                           kv_connector_module_path="kvtrace.hook.fileconnector",
+                           kv_connector_module_path="kvtrace.hook.vllm.fileconnector",
                            kv_connector_extra_config={"path": d})
     vc = EngineArgs(model=model, load_format="dummy", skip_tokenizer_init=True, block_size=32,
                     max_model_len=2048, kv_transfer_config=kvt).create_engine_config()

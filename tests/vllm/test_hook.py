@@ -1,4 +1,4 @@
-"""The hook inside vLLM (kvtrace.hook.vllm_hook), checked against independent sources.
+"""The hook inside vLLM (kvtrace.hook.vllm.hook), checked against independent sources.
 
 test_records_match_vllm drives a real vLLM CPU server (plugin loaded from its entry point, no
 flags) while `kvtrace attach` captures its EngineCore and Worker, then compares the hook's
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from kvtrace.hook.transport import FLAG_PATH
-from kvtrace.hook.vllm_hook import FLUSH_EVERY_NS, HOOK_VERSION
+from kvtrace.hook.vllm.hook import FLUSH_EVERY_NS, HOOK_VERSION
 from kvtrace.hook.wire import RECORDS, kv_step_rows
 from kvtrace.demo.server import vllm_python
 from kvtrace.servers import registry
@@ -340,7 +340,8 @@ SELFTEST = textwrap.dedent(r'''
         def emit(self, r): messages.append(r.getMessage())
     records.addHandler(H()); records.setLevel(logging.INFO); records.propagate = False
 
-    from kvtrace.hook import api, vllm_hook as h
+    from kvtrace.hook import api
+    from kvtrace.hook.vllm import hook as h
     from kvtrace.hook.wire import CODEC, MAGIC
     import vllm
     from vllm.v1.core.block_pool import BlockPool

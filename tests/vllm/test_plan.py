@@ -1,4 +1,4 @@
-"""The hook's plan (kvtrace.hook.needs) checked against real vLLM code.
+"""The hook's plan (kvtrace.hook.vllm.needs) checked against real vLLM code.
 
 - On each release installed here (scripts/setup-vllm VERSION), the source check, which the
   agent makes from outside, and the check in vLLM's own interpreter, which install() makes,
@@ -27,6 +27,7 @@ import pytest
 from kvtrace.demo import workload
 from kvtrace.demo.server import DEFAULT_RELEASE, VllmServer, release_python
 from kvtrace.hook import support
+from kvtrace.hook.vllm import support as vllm_support
 from tests import helpers
 from tests.vllm.conftest import SERVER_ARGS, free_port
 
@@ -40,8 +41,9 @@ LIVE = textwrap.dedent('''
     import json, logging, sys
     logging.disable(logging.WARNING)
     import vllm
-    from kvtrace.hook import targets, needs, plan, releases
+    from kvtrace.hook import plan
     from kvtrace.hook.source import SourceTree
+    from kvtrace.hook.vllm import needs, releases, targets
     src = SourceTree.of_imported_vllm()
     out = {"version": vllm.__version__, "root": src.root, "engine": targets.engine_plan()[1],
            "worker": targets.worker_plan()[1],
@@ -71,12 +73,12 @@ def test_source_and_live_checks_agree_on_each_installed_release(version):
     if not Path(py).exists():
         pytest.skip(f"needs vLLM {version}'s venv: bash scripts/setup-vllm {version} (make compat installs all)")
     live = run_live(py)
-    verdict = support.check(site_of(py))
+    verdict = vllm_support.check(site_of(py))
     assert live["version"] == verdict["version"] == version
     assert (live["engine"], live["worker"], live["connector"]) == ([], [], []), live
     assert verdict["supported"] and verdict["roles"] == {"engine": [], "worker": []} and verdict["connector"] == []
     assert verdict["releases"] == live["releases"]
-    # the rows of kvtrace.hook.releases, as the release notes say they came
+    # the rows of kvtrace.hook.vllm.releases, as the release notes say they came
     assert verdict["releases"]["connector_block_state"] == (version >= "0.30")
     assert verdict["releases"]["cache_hit_source"] == (version >= "0.32")
 
@@ -88,7 +90,7 @@ def newest_src() -> Path:
 
 
 def test_newest_release_plan_from_its_source():
-    verdict = support.check(str(newest_src()))
+    verdict = vllm_support.check(str(newest_src()))
     assert verdict["version"] == NEWEST
     assert verdict["supported"], verdict["roles"]
     assert verdict["connector"] == [], verdict["connector"]
@@ -152,10 +154,10 @@ def test_newest_plan_fails_when_a_target_changes(newest_copy, change):
     path = newest_copy / rel
     text = path.read_text()
     assert text.count(old) == 1, f"{rel} no longer holds {old!r}: update this test row"
-    assert support.check(str(newest_copy))["supported"]
+    assert vllm_support.check(str(newest_copy))["supported"]
     path.write_text(text.replace(old, new))
     try:
-        verdict = support.check(str(newest_copy))
+        verdict = vllm_support.check(str(newest_copy))
         found = [d for r in verdict["roles"].values() for d in r]
         assert not verdict["supported"] and len(found) == 1 and found[0].startswith(want), found
         assert support.reason(verdict) == found[0]
@@ -254,5 +256,5 @@ def test_a_release_that_differs_is_refused_and_capture_goes_on(tmp_path):
 
     ds = Dataset.open(out)
     assert "hook_start" not in ds.names() and "step" not in ds.names(), ds.names()
-    assert ds.table("file_io").num_rows > 0 and ds.table("vllm_metrics").num_rows > 0
+    assert ds.table("file_io").num_rows > 0 and ds.table("server_metrics").num_rows > 0
     assert sum(1 for e in ds.table("kv_events").to_pylist() if e["event"] == "BlockStored") > 0

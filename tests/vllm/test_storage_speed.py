@@ -99,7 +99,7 @@ def record(device, name: str, bps: int | None) -> dict:
     blocks = device["mnt"] / name
     if bps:
         cfg = {"kv_connector": "KvtraceFileConnector", "kv_role": "kv_both",
-               "kv_connector_module_path": "kvtrace.hook.fileconnector",
+               "kv_connector_module_path": "kvtrace.hook.vllm.fileconnector",
                "kv_connector_extra_config": {"path": str(blocks), "direct_io": True, "stats_dir": str(blocks) + "-stats"}}
         args += ["--kv-transfer-config", json.dumps(cfg)]
     work = device["base"] / name

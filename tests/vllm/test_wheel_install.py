@@ -89,16 +89,19 @@ def test_installed_wheel_doctor_attach_analyze(wheel_venv, server, tmp_path):
 
 
 PLUGIN_CHECK = r"""
-import json, kvtrace, kvtrace.hook.plugin as plugin
+import json, kvtrace, kvtrace.hook.vllm.plugin as plugin
 from importlib.metadata import entry_points
 from vllm.plugins import load_general_plugins
 (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "kvtrace"]
 load_general_plugins()                      # vLLM's own loader calls register(): no role here, nothing patched
-from kvtrace.hook import vllm_hook
-before = vllm_hook.status()["installed"]
-patched = vllm_hook.install(roles=["engine"])
+from kvtrace.hook.vllm import hook
+from kvtrace.hook import fileconnector as old_fc, plugin as old_plugin   # the earlier names, for one release
+from kvtrace.hook.vllm import fileconnector as fc
+before = hook.status()["installed"]
+patched = hook.install(roles=["engine"])
 print(json.dumps({"file": kvtrace.__file__, "ep": ep.value, "loaded": ep.load() is plugin.register,
-                  "before": before, "patched": patched, "status": vllm_hook.status()}, default=str))
+                  "shims": old_plugin.register is plugin.register and old_fc.KvtraceFileConnector is fc.KvtraceFileConnector,
+                  "before": before, "patched": patched, "status": hook.status()}, default=str))
 """
 
 
@@ -115,7 +118,7 @@ def test_wheel_in_vllms_venv_loads_the_hook(built_dist):
         assert r.returncode == 0, r.stderr[-3000:]
         got = json.loads(r.stdout.splitlines()[-1])
         assert "site-packages" in got["file"] and not got["file"].startswith(str(REPO)), got
-        assert got["ep"] == "kvtrace.hook.plugin:register" and got["loaded"], got
+        assert got["ep"] == "kvtrace.hook.vllm.plugin:register" and got["loaded"] and got["shims"], got
         assert got["before"] is False and got["patched"] is True and got["status"]["installed"] is True, got
     finally:
         r = run([*pip, "-e", REPO])

@@ -1,5 +1,5 @@
 """SGLang: its launcher (HTTP server) with the scheduler below it (kvtrace.servers.sglang.discover),
-the hook kvtrace.hook.sglang_hook in the scheduler, a radix-tree cache."""
+the hook kvtrace.hook.sglang.hook in the scheduler, a radix-tree cache."""
 from __future__ import annotations
 
 from kvtrace.servers.kind import ServerKind
@@ -9,8 +9,8 @@ KIND = ServerKind(
     name="sglang", title="SGLang", package="sglang",
     recognise=discover.server_kind, describe=discover.describe,
     default_port=discover.DEFAULT_PORT, plugin_group=discover.PLUGIN_GROUP, plugins_env="SGLANG_PLUGINS",
-    hook_module="kvtrace.hook.sglang_hook", hooked="scheduler",
+    hook_module="kvtrace.hook.sglang.hook", hooked="scheduler",
     roles={"engine_pids": "engine"},
-    support="kvtrace.hook.support:check_sglang", metrics_prefix="sglang:", cache_model="radix",
+    support="kvtrace.hook.sglang.support:check", metrics_prefix="sglang:", cache_model="radix",
     kv_events_endpoint=discover.DEFAULT_KV_ENDPOINT,
 )

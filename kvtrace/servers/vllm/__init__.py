@@ -1,5 +1,5 @@
 """vLLM: its API server with EngineCore and Worker processes below it (kvtrace.servers.vllm.discover),
-the hook kvtrace.hook.vllm_hook in both, a block-pool cache."""
+the hook kvtrace.hook.vllm.hook in both, a block-pool cache."""
 from __future__ import annotations
 
 from kvtrace.servers.kind import ServerKind
@@ -9,8 +9,8 @@ KIND = ServerKind(
     name="vllm", title="vLLM", package="vllm",
     recognise=discover.server_kind, describe=discover.describe,
     default_port=discover.DEFAULT_PORT, plugin_group=discover.PLUGIN_GROUP, plugins_env="VLLM_PLUGINS",
-    hook_module="kvtrace.hook.vllm_hook", hooked="EngineCore or Worker",
+    hook_module="kvtrace.hook.vllm.hook", hooked="EngineCore or Worker",
     roles={"engine_pids": "engine", "worker_pids": "worker"},
-    support="kvtrace.hook.support:check_vllm", metrics_prefix="vllm:", cache_model="block_pool",
+    support="kvtrace.hook.vllm.support:check", metrics_prefix="vllm:", cache_model="block_pool",
     kv_events_endpoint=discover.DEFAULT_KV_ENDPOINT,
 )

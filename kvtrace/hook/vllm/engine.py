@@ -1,5 +1,5 @@
 """The hook's EngineCore wrappers: scheduler steps, prefill chunks, admissions, preemptions and
-evictions, as records on the shared queue (kvtrace.hook.state).
+evictions, as records on the shared queue (kvtrace.hook.state), and the EngineCore's state (S).
 
   Scheduler.schedule / update_from_output   step span, chunk and admit records, flush (batched)
   Scheduler._preempt_request                 preempt
@@ -7,23 +7,56 @@ evictions, as records on the shared queue (kvtrace.hook.state).
   BlockPool._maybe_evict_cached_block        evicts (a batch per allocation, one hash per BlockRemoved)
 
 What is patched with what (classes, methods, signatures, wrapper factories) is in
-kvtrace.hook.targets; this module holds the wrappers' work.  Every name a wrapper reads is a
-global of this module (imported from kvtrace.hook.state once), so a step pays the same lookups
-as when the hook was one module.
+kvtrace.hook.vllm.targets; this module holds the wrappers' work.  Every name a wrapper reads is a
+global of this module (imported from kvtrace.hook.state once), so a step pays one global lookup
+per name.
 """
 from __future__ import annotations
 
+import logging
 import time
 
-from . import state
-from .state import (EVICTS_MAX, FLUSH_EVERY_NS, FLUSH_RECORDS, MAX_TRACKED, _enqueue, _flush, _hook_start,
-                    _leave_if_owner_gone, _monotonic_ns, _new_agent, _refresh)
+from .. import state
+from ..state import (FLUSH_EVERY_NS, FLUSH_RECORDS, MAX_TRACKED, _enqueue, _flush, _hook_start, _leave_if_owner_gone,
+                     _monotonic_ns, _new_agent, _refresh)
+from ..wire import EVICTS_MAX, PROMPT_PIECE
+from . import releases
 
-# The state's objects are bound here by assignment, not by `from .state import`: CPython 3.11+
-# compiles `W.begin(now)` on an imported name as an attribute load that makes a bound method per
-# call (it takes an imported name for a module), on an assigned name as a method call, as when
-# the hook was one module.
-S, T, _Q, _LOCK, _REGISTRY, _last, log = state.S, state.T, state._Q, state._LOCK, state._REGISTRY, state._last, state.log
+# The shared state's objects are bound here by assignment, not by `from ..state import`: CPython
+# 3.11+ compiles `T.error(e)` on an imported name as an attribute load that makes a bound method
+# per call (it takes an imported name for a module), on an assigned name as a method call.
+T, _Q, _LOCK, _REGISTRY, _last = state.T, state._Q, state._LOCK, state._REGISTRY, state._last
+log = logging.getLogger("vllm.kvtrace_hook")   # under "vllm", so vLLM's log configuration applies
+
+
+class _Engine:
+    """EngineCore state, reset whenever the agent goes away."""
+
+    __slots__ = ("on", "rec", "step", "cur_req", "last_alloc", "reqs", "alloc", "steps", "evicted", "ev",
+                 "alloc_failures", "broken", "seen_check", "agents", "counting")
+
+    def __init__(self):
+        self.counting = False   # the hook numbers the steps (_schedule_pre_counting); kept over resets
+        self.reset()
+
+    def reset(self):
+        self.on = False
+        self.rec = False                      # records wanted (on, and vLLM's data as expected)
+        self.step = 0
+        self.cur_req = ""
+        self.last_alloc = ""                  # the request of the latest allocate_slots (preemptions)
+        self.reqs: dict[str, list] = {}      # request id -> [next chunk index, prefill_len, attempt] or _DECODING
+        self.alloc: dict[str, tuple] = {}    # request id -> (local, external, hit blocks, last hash)
+        self.steps: dict[int, tuple] = {}    # id(SchedulerOutput) -> step summary
+        self.evicted = 0
+        self.ev: list | None = None          # the open `evicts` batch: [step, t_ns, medium, request, blocks]
+        self.alloc_failures = 0
+        self.broken = ""
+        self.seen_check = 0
+        self.agents: frozenset = frozenset()   # the agents attached at the last flag check (_new_agent)
+
+
+S = _Engine()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,7 +114,7 @@ def _engine_on(sched) -> None:
         S.rec = False
         log.warning("kvtrace hook: records off in this process: %s", S.broken)
     _new_agent(S)
-    _hook_start("engine")
+    _hook_start("engine", "vllm", releases.version())
     if S.rec:
         _snapshot(sched)
 
@@ -108,7 +141,7 @@ def _schedule_pre(self):
             _engine_on(self)
             t0 = _monotonic_ns()
         elif T.next_check != S.seen_check and _new_agent(S):
-            _hook_start("engine")
+            _hook_start("engine", "vllm", releases.version())
             if S.rec:
                 _snapshot(self)
             t0 = _monotonic_ns()
@@ -125,7 +158,7 @@ def _schedule_pre(self):
 
 def _schedule_pre_counting(self):
     """Scheduler.schedule in a vLLM that does not number its steps (before 0.23: row
-    step_counter of kvtrace.hook.releases): the hook numbers them on the scheduler, as later
+    step_counter of kvtrace.hook.vllm.releases): the hook numbers them on the scheduler, as later
     releases do at the start of schedule(), then goes on as _schedule_pre."""
     try:
         self.current_step = self.__dict__.get("current_step", 0)
@@ -227,9 +260,6 @@ def _arrive(step: int, rid: str, req, now: int) -> None:
     headers = getattr(req, "trace_headers", None) or {}
     _enqueue(("arrive", step, t, rid, str(headers.get("traceparent", "") or "")[:128],
               str(headers.get("tracestate", "") or "")[:512]))
-
-
-PROMPT_PIECE = 448  # hashes per prompt_blocks record (3,584 bytes: one record fits a frame)
 
 
 def _prompt_blocks(sched, step: int, rid: str, req) -> None:
@@ -436,7 +466,7 @@ return _kv_r
 
 
 # The same, in a vLLM whose cached blocks hold one prefix hash each (before 0.24: row
-# block_hash_sets of kvtrace.hook.releases).
+# block_hash_sets of kvtrace.hook.vllm.releases).
 EVICT_BODY_ONE_HASH = EVICT_BODY.replace("            _kv_extra = self.cached_block_hashes_by_block.get(_kv_bid)\n",
                                          "            _kv_extra = None\n")
 assert EVICT_BODY_ONE_HASH != EVICT_BODY

@@ -1,17 +1,17 @@
 """What the hook needs of SGLang, target by target (the kinds of kvtrace.hook.plan; how SGLang's
-names map to the records: kvtrace.hook.sglang_engine).  Checked on SGLang's source before
+names map to the records: kvtrace.hook.sglang.engine).  Checked on SGLang's source before
 patching, and by the agent before injecting; verified on sglang 0.5.23 (CPU engine, live in
 tests/sglang).  Standard library only."""
 from __future__ import annotations
 
-from .plan import Attrs, Fields, Method, Strings
+from ..plan import Attrs, Fields, Method, Strings
 
 SCHED = "sglang.srt.managers.scheduler"
 BATCH = "sglang.srt.managers.schedule_batch"
 RADIX = "sglang.srt.mem_cache.unified_radix_cache"
 
 # The methods wrapped.  Two carry SGLang's stage-metric decorator (a *args/**kwargs wrapper):
-# their parameters are read from the function it wraps (kvtrace.hook.sglang_hook).
+# their parameters are read from the function it wraps (kvtrace.hook.sglang.hook).
 METHODS = (
     Method(SCHED, "Scheduler", "get_next_batch_to_run", ("self", "running_batch", "last_batch")),
     Method(SCHED, "Scheduler", "process_batch_result", ("self", "batch")),

@@ -1,7 +1,8 @@
 """The hook's wrappers in SGLang's scheduler process: scheduler iterations, prefill chunks,
 admissions with their radix-cache prefix match, evictions of radix-tree leaves, retractions,
 arrivals and finishes, as the same records as vLLM's (kvtrace.hook.wire) on the shared queue
-(kvtrace.hook.state).  What SGLang calls them (docs/hook.md, "SGLang"):
+(kvtrace.hook.state), and the scheduler's state (G).  What SGLang calls them (docs/hook.md,
+"SGLang"):
 
   Scheduler.get_next_batch_to_run      step start; after it returns, the batch: chunk and admit
                                        records (SGLang admits and allocates inside it)
@@ -23,12 +24,12 @@ from __future__ import annotations
 import hashlib
 import time
 
-from . import state
-from .engine import PROMPT_PIECE
-from .state import EVICTS_MAX, FLUSH_EVERY_NS, FLUSH_RECORDS, MAX_TRACKED, _enqueue, _flush, _hook_start, \
-    _leave_if_owner_gone, _monotonic_ns, _new_agent, _refresh
+from .. import state
+from ..state import (FLUSH_EVERY_NS, FLUSH_RECORDS, MAX_TRACKED, _enqueue, _flush, _hook_start, _leave_if_owner_gone,
+                     _monotonic_ns, _new_agent, _refresh)
+from ..wire import EVICTS_MAX, PROMPT_PIECE
 
-T, _Q, _LOCK, _last, log = state.T, state._Q, state._LOCK, state._last, state.log
+T, _Q, _LOCK, _last = state.T, state._Q, state._LOCK, state._last   # (bound by assignment: kvtrace.hook.state)
 SALT_SEED = b"sglang-cache-salt-v1\x00"
 
 

@@ -1,10 +1,12 @@
 """install() / uninstall() / status() and the choice of roles by process.
 
-install() makes a plan from kvtrace.hook.targets for each role: every target of
-kvtrace.hook.needs the role relies on is checked (on vLLM's source, or by the agent before it
-injected the hook: ``checked``), and the wrapped methods on the imported classes.  It patches
+install() makes a plan from kvtrace.hook.vllm.targets for each role: every target of
+kvtrace.hook.vllm.needs the role relies on is checked (on vLLM's source, or by the agent before
+it injected the hook: ``checked``), and the wrapped methods on the imported classes.  It patches
 only when nothing differs (kvtrace.hook.patch), whatever vLLM's version.  Never raises: a vLLM
-that differs is left untouched, with one warning naming the first difference.
+that differs is left untouched, with one warning naming the first difference.  An installed hook
+registers its uninstall with the shared state (``state.on_leave``): an injected hook leaves when
+the agent that injected it is gone.
 """
 from __future__ import annotations
 
@@ -12,15 +14,16 @@ import multiprocessing
 import os
 import time
 
-from . import engine, releases, state
-from .patch import _patch, _unpatch_all
-from .state import HOOK_VERSION, _flush, _vllm_version, record_transfer
-from .source import SourceTree
-from .support import first
+from .. import state
+from ..patch import _patch, _unpatch_all
+from ..source import SourceTree
+from ..state import HOOK_VERSION, _flush, record_transfer
+from ..support import first
+from . import engine, releases, worker
 from .targets import PLANS, _live_connector, _patch_live_connector
 
-# (bound by assignment: see kvtrace.hook.engine)
-S, T, W, _REGISTRY, _STATUS, log, _HOT_IN = state.S, state.T, state.W, state._REGISTRY, state._STATUS, state.log, engine._HOT_IN
+# (bound by assignment: see kvtrace.hook.vllm.engine)
+S, T, W, _REGISTRY, _STATUS, log, _HOT_IN = engine.S, state.T, worker.W, state._REGISTRY, state._STATUS, engine.log, engine._HOT_IN
 
 
 def detect_roles() -> list[str]:
@@ -40,7 +43,7 @@ def detect_roles() -> list[str]:
 def install(roles: list[str] | None = None, live: bool = False, checked: dict | None = None) -> bool:
     """Patch vLLM for these roles ("engine", "worker"; default: by process).  Idempotent.
 
-    ``checked``: the agent's verdict on this vLLM's files (kvtrace.hook.support.check), used
+    ``checked``: the agent's verdict on this vLLM's files (kvtrace.hook.vllm.support.check), used
     when those files are unchanged.  Returns True when something is patched.  Never raises: a
     vLLM that differs from what the hook reads is left untouched, with one message naming
     the first difference.
@@ -58,7 +61,7 @@ def install(roles: list[str] | None = None, live: bool = False, checked: dict | 
             return False
         if _STATUS["installed"] and set(roles) <= set(_STATUS["roles"]):
             return True
-        version = _vllm_version()
+        version = releases.version()
         prior = _still_valid(checked)
         plan, bad = [], []
         for role in ("engine", "worker"):
@@ -74,12 +77,14 @@ def install(roles: list[str] | None = None, live: bool = False, checked: dict | 
         if "worker" in roles:
             _patch_live_connector()
         try:
-            from kvtrace.hook import api  # lazy: absent when the hook runs from staged files without kvtrace
+            from kvtrace.hook import api  # lazy: the api connectors import by name (a private copy of the hook may lack it)
 
             api._sink = record_transfer
         except Exception:
             pass
-        _STATUS.update(installed=True, roles=sorted(set(_STATUS["roles"]) | set(roles)), reason="", differences=[])
+        state.on_leave(_left)
+        _STATUS.update(installed=True, roles=sorted(set(_STATUS["roles"]) | set(roles)), reason="", differences=[],
+                       kind="vllm")
         log.info("kvtrace hook %s installed (%s) on vLLM %s: %d methods wrapped; records flow while a kvtrace agent is attached",
                  HOOK_VERSION, "+".join(roles), version, len(_REGISTRY))
         return True
@@ -113,7 +118,7 @@ def uninstall() -> None:
     _unpatch_all()
     _HOT_IN[0] = True
     try:
-        from kvtrace.hook import api  # lazy: absent when the hook runs from staged files without kvtrace
+        from kvtrace.hook import api  # lazy: the api connectors import by name (a private copy of the hook may lack it)
 
         if api._sink is record_transfer:
             api._sink = None
@@ -126,6 +131,12 @@ def uninstall() -> None:
     S.reset()
     W.active = W.on = False
     _STATUS.update(installed=False, roles=[], patched=[], reason="uninstalled")
+
+
+def _left(pid: int) -> None:
+    """The agent that injected the hook (pid) is gone: vLLM is restored (state.on_leave)."""
+    uninstall()
+    log.info("kvtrace hook removed: its agent (pid %d) exited", pid)
 
 
 def status() -> dict:

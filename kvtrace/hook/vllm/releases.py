@@ -2,7 +2,7 @@
 place: one row per difference, with the first release that has the newer form, how it is told
 apart (a check of kvtrace.hook.plan on vLLM's source, never the version string), and what is
 done without it.  The adapters below, and the choice of two engine wrappers in
-kvtrace.hook.targets.engine_wrappers, are the only code that branches on a row.
+kvtrace.hook.vllm.targets.engine_wrappers, are the only code that branches on a row.
 
 | row | newer form | since | without it |
 |---|---|---|---|
@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import plan
+from .. import plan
+from ..source import SourceTree
 from .needs import IFACE, OUTPUT, POOL, SCHED
-from .source import SourceTree
 
 
 @dataclass(frozen=True)
@@ -94,9 +94,19 @@ def has(name: str) -> bool:
 
 
 def know(have: dict[str, bool]) -> None:
-    """The rows' forms as the agent found them in this vLLM's files (kvtrace.hook.install)."""
+    """The rows' forms as the agent found them in this vLLM's files (kvtrace.hook.vllm.install)."""
     if set(have) == {r.name for r in ROWS}:
         _HAVE.update(have)
+
+
+def version() -> str:
+    """The version of the vLLM this interpreter imports, as its records name it ("?" unknown)."""
+    try:
+        import vllm
+
+        return str(getattr(vllm, "__version__", "?"))
+    except Exception:
+        return "?"
 
 
 # ---------------------------------------------------------------------------------------------

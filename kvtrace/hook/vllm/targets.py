@@ -1,8 +1,8 @@
 """What the hook patches in vLLM, and with what: the wrapper of each method that
-kvtrace.hook.needs lists, and the plan of each role: its methods with their wrappers, after
-every target of the role passed its check (kvtrace.hook.plan).  install()
-(kvtrace.hook.install) patches nothing unless the whole plan of each of its roles passes.
-Differences between vLLM releases are kvtrace.hook.releases's rows; two of them choose a
+kvtrace.hook.vllm.needs lists, and the plan of each role: its methods with their wrappers,
+after every target of the role passed its check (kvtrace.hook.plan).  install()
+(kvtrace.hook.vllm.install) patches nothing unless the whole plan of each of its roles passes.
+Differences between vLLM releases are kvtrace.hook.vllm.releases's rows; two of them choose a
 wrapper variant here (engine_wrappers).
 
 vLLM is imported only when a plan is made, inside install(); the patching itself is
@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import importlib
 
-from . import needs, plan, releases, state
+from .. import plan, state
+from ..exact import exact, inline, why_not, wrapper
+from ..patch import _patch, _signature_differs
+from ..source import SourceTree
+from ..state import _monotonic_ns
+from . import engine, needs, releases, worker
 from .engine import (ALLOC_PARAMS, ALLOCATE_BODY, EVICT_BODY, EVICT_BODY_ONE_HASH, _note_admission_alloc, _note_evict,
                      _preempt_post, _preempt_pre, _schedule_post, _schedule_pre, _schedule_pre_counting, _update_post,
                      _update_pre)
-from .patch import _patch, _signature_differs
-from .source import SourceTree
-from .state import _monotonic_ns, exact, inline, why_not, wrapper
 from .worker import (LAYER_BODY, LOAD_BODY, SAVE_BODY, _bind_pre, _layer_done, _load_done, _save_done, _save_end,
                      _timed_pre)
 
-S, T, W, log = state.S, state.T, state.W, state.log   # (bound by assignment: see kvtrace.hook.engine)
+# (bound by assignment: see kvtrace.hook.vllm.engine)
+S, T, W, log = engine.S, state.T, worker.W, engine.log
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,7 +84,7 @@ def _any_params(pre, post, abort, body=None):
 
 def engine_wrappers() -> dict:
     """The wrapper factory of each method of needs.ENGINE_METHODS, by its label.  Two rows of
-    kvtrace.hook.releases choose a variant: step_counter (before 0.23 the hook numbers the
+    kvtrace.hook.vllm.releases choose a variant: step_counter (before 0.23 the hook numbers the
     scheduler's steps) and block_hash_sets (before 0.24 a cached block holds one hash)."""
     return {
         "Scheduler.schedule": _exactly(_schedule_pre if releases.has("step_counter") else _schedule_pre_counting,
@@ -101,7 +104,7 @@ def _class(module: str, name: str) -> type:
 def role_plan(methods, reads, wrappers: dict, checked: list[str] | None) -> tuple[list, list[str]]:
     """([(class, method, wrapper factory)], what differs: "target: what", the first first).
     ``checked``: the source check's differences when the agent already made it on these very
-    files (kvtrace.hook.install), else None: the check is made here.  The wrapped methods are
+    files (kvtrace.hook.vllm.install), else None: the check is made here.  The wrapped methods are
     also checked on the imported classes, which their wrappers are made from."""
     bad = list(checked) if checked is not None else plan.differences(methods + reads, SourceTree.of_imported_vllm())
     items = []

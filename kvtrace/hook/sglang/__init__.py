@@ -1,0 +1,2 @@
+"""The hook inside SGLang's scheduler process.  The module injection loads and the plugin
+installs is kvtrace.hook.sglang.hook."""
