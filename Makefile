@@ -3,15 +3,14 @@
 #   sudo make test   - set up, then run every test (privileged ones included)
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The vLLM releases the hook is proven on, each with a live server (tests/vllm/test_compat.py);
-# `make compat VLLM=0.25.0` tries another.  CI runs the default release (0.32.0, the whole
-# suite) and CI_RELEASE through the same acceptance, and checks the hook's plan on NEWEST's source.
+# The vLLM releases the hook is proven on, each with a live server (tests/vllm/test_compat.py,
+# marked `matrix`): `make compat`, by hand; `make compat VLLM=0.25.0` tries another.  CI runs
+# the default release (0.32.0, the whole suite) and checks the hook's plan on NEWEST's source.
 COMPAT_RELEASES := 0.28.0 0.30.0 0.31.0 0.32.0
 VLLM ?= $(COMPAT_RELEASES)
-CI_RELEASE := 0.28.0
 NEWEST := 0.33.0
 
-.PHONY: setup setup-vllm setup-sglang setup-ci-releases demo test unit compat lab bench bench-short engines clean
+.PHONY: setup setup-vllm setup-sglang setup-engines demo test unit compat lab bench bench-short engines clean
 
 setup:
 	bash scripts/setup-host
@@ -26,13 +25,12 @@ demo: setup-vllm
 setup-sglang: setup
 	bash scripts/setup-sglang
 
-setup-ci-releases: setup-vllm setup-sglang
-	bash scripts/setup-vllm $(CI_RELEASE)
+setup-engines: setup-vllm setup-sglang
 	bash scripts/setup-vllm-source $(NEWEST)
 
-test: setup-ci-releases
-	KVTRACE_COMPAT=$(CI_RELEASE) $(PY) -m pytest -q -rs tests
-	$(PY) bench/run.py --short
+# Every test but the release matrix (`make compat`): what CI runs
+test: setup-engines
+	$(PY) -m pytest -q -rs -m "not matrix" tests
 
 # Every release of VLLM through the live acceptance and the plan checks (about 6 minutes a
 # release once its venv is in /var/cache/kvtrace; installing one takes 3 more)
@@ -41,8 +39,9 @@ compat: setup
 	bash scripts/setup-vllm-source $(NEWEST)
 	KVTRACE_COMPAT="$(VLLM)" $(PY) -m pytest -q -rs tests/vllm/test_compat.py tests/vllm/test_plan.py
 
+# The quick check (a few minutes): tests/unit without the slow ones; no server, no root needed
 unit: setup
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q -m "not slow" tests/unit
 
 # The storage lab alone (tests/lab; `make test` runs it too): Debian's 6.1 kernel under QEMU
 # with NVMe over PCIe, TCP and RDMA (soft-RoCE), kvtrace attached inside, checked against
@@ -53,6 +52,10 @@ lab: setup
 
 bench: setup-vllm
 	$(PY) bench/run.py
+
+# Every benchmark in its short mode (about N minutes): that they still run, by hand
+bench-short: setup-vllm
+	$(PY) bench/run.py --short
 
 # One shared-prefix workload on vLLM and on SGLang, each at two chunk sizes, attached and
 # compared (docs/analysis.md, "vLLM against SGLang"; about 8 minutes)

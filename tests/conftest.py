@@ -1,4 +1,6 @@
-"""Shared test setup: the `root` marker skips with a stated reason where capture cannot run."""
+"""Shared test setup: the `root` marker skips with a stated reason where capture cannot run; the
+tests of tests/vllm, tests/sglang, tests/container and tests/lab carry their resource's marker
+and `slow` (pyproject.toml lists the markers; `make unit` runs what is not slow)."""
 from __future__ import annotations
 
 import os
@@ -25,7 +27,17 @@ def _root_skip_reason() -> str | None:
     return None
 
 
+# Every test in these directories needs the resource of the same name and takes minutes.
+RESOURCE_DIRS = {"vllm": "vllm", "sglang": "sglang", "container": "container", "lab": "lab"}
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        parts = Path(str(item.fspath)).relative_to(REPO).parts
+        resource = RESOURCE_DIRS.get(parts[1]) if len(parts) > 2 and parts[0] == "tests" else None
+        if resource:
+            item.add_marker(getattr(pytest.mark, resource))
+            item.add_marker(pytest.mark.slow)
     reason = _root_skip_reason()
     if reason is None:
         return

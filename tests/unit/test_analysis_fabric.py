@@ -89,5 +89,6 @@ def test_without_nvme_or_nic_tables_the_section_is_empty(tmp_path):
     assert len(sc) == 10 and all(x["nvme"] == [] and x["nic"] == [] for x in sc)
 
 
+@pytest.mark.slow
 def test_spark_gives_the_same_section(ds, rep):
     fx.assert_spark_report_equals(ds, rep)

@@ -6,6 +6,8 @@ distribution: then add it to DIST below and to pyproject.toml.
 """
 from __future__ import annotations
 
+import pytest
+
 import ast
 import configparser
 import email.parser
@@ -216,6 +218,7 @@ def run(cmd, **kw):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd="/", **kw)
 
 
+@pytest.mark.slow
 def test_wheel_installs_and_runs_outside_the_checkout(built_dist, tmp_path):
     venv = tmp_path / "venv"
     r = run(["/usr/bin/python3", "-m", "venv", "--system-site-packages", str(venv)])

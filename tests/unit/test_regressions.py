@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow   # a copy of the package and a child test run per row
+
 REPO = Path(__file__).resolve().parents[2]
 ROOT = os.geteuid() == 0
 

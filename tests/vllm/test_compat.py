@@ -1,7 +1,7 @@
 """Each vLLM release the hook supports, proven live on a real server of that release.
 
-For every release in $KVTRACE_COMPAT (``make compat`` gives 0.28.0 0.30.0 0.31.0 0.32.0; ``make
-test`` gives 0.28.0: 0.32.0 is the rest of the suite's), a server with kvtrace's file connector
+For every release in $KVTRACE_COMPAT (``make compat`` gives 0.28.0 0.30.0 0.31.0 0.32.0; marked
+``matrix``, so ``make test`` leaves it out: 0.32.0 is the rest of the suite's), a server with kvtrace's file connector
 and no plugin is attached to live (the hook injected), driven through prefix hits, chunked
 prefill, evictions, a preemption and loads back from the files, and checked against that
 release's own answers: cached tokens in its responses, chunk ranges tiling every admission,
@@ -31,7 +31,7 @@ from tests.vllm.test_hook import settled_metrics
 from tests.vllm.test_inject import Agent
 from tests.vllm_checks import check_evictions, check_requests, removed_hashes
 
-pytestmark = pytest.mark.root
+pytestmark = [pytest.mark.root, pytest.mark.matrix]
 
 RELEASES = os.environ.get("KVTRACE_COMPAT", "0.28.0").replace(",", " ").split()
 METRICS = ("vllm:num_preemptions_total", "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
@@ -64,7 +64,7 @@ def release(request) -> str:
 
 def start(version: str, work: Path, plugin: bool, zport: int) -> VllmServer:
     connector = {"kv_connector": "KvtraceFileConnector", "kv_role": "kv_both",
-                 "kv_connector_module_path": "kvtrace.hook.fileconnector",
+                 "kv_connector_module_path": "kvtrace.hook.vllm.fileconnector",
                  "kv_connector_extra_config": {"path": str(work / "blocks"), "stats_dir": str(work / "stats")}}
     kv = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{zport}"}
     env = {"VLLM_SERVER_DEV_MODE": "1"} | ({} if plugin else {"VLLM_PLUGINS": ""})
