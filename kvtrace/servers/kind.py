@@ -24,7 +24,6 @@ class ServerKind:
     support: str = ""         # "module:function" of the hook's support check on the kind's source tree
     metrics_prefix: str = ""  # its Prometheus series' prefix ("vllm:")
     cache_model: str = ""     # its cache in kvtrace.analysis.whatif's models ("block_pool", "radix")
-    kv_events_endpoint: str = "tcp://*:5557"   # its KV-event publisher's endpoint when none is given
 
     def support_check(self) -> Callable:
         """The support check: check(root) -> verdict (kvtrace.hook.support's form)."""

@@ -1,10 +1,11 @@
-"""Scrape vLLM's Prometheus ``/metrics`` into the ``vllm_metrics`` table.
+"""Scrape a server's Prometheus ``/metrics`` into the ``server_metrics`` table.
 
 ``parse()`` reads the Prometheus text exposition format (0.0.4; OpenMetrics' ``# EOF`` and
 exemplars are tolerated) and never raises: a line it cannot read is counted and skipped.
-``MetricsScraper`` polls one URL at a fixed interval on its own thread and keeps the
-``vllm:*`` samples (``*_created`` timestamps dropped by default) as rows of
-(ts_ns, name, labels JSON, value, type).
+``MetricsScraper`` polls one URL at a fixed interval on its own thread and keeps the samples
+whose names start with the given prefixes (the server kind's ``metrics_prefix``, e.g.
+``vllm:``; ``*_created`` timestamps dropped by default) as rows of (ts_ns, kind, name, labels
+JSON, value, type).
 """
 from __future__ import annotations
 
@@ -22,11 +23,11 @@ import pyarrow as pa
 from kvtrace.dataset import schema
 from kvtrace.host import netns as netns_mod
 
-TABLE = "vllm_metrics"
-# ts_ns: CLOCK_MONOTONIC when the scrape's response was complete; labels: JSON object, keys
-# sorted; type: counter / gauge / histogram / summary / info / untyped (from # TYPE).
+TABLE = "server_metrics"
+# ts_ns: CLOCK_MONOTONIC when the scrape's response was complete; kind: the server kind
+# (kvtrace.servers.registry name; null: not known); labels: JSON object, keys sorted; type:
+# counter / gauge / histogram / summary / info / untyped (from # TYPE).
 SCHEMA = schema.TABLES[TABLE]
-DEFAULT_PREFIXES = ("vllm:",)
 DEFAULT_DROP_SUFFIXES = ("_created",)
 _SUFFIXES = ("_bucket", "_count", "_sum", "_total", "_created", "_info", "_gcount", "_gsum")
 _NAME0 = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_:")
@@ -199,7 +200,10 @@ def labels_json(labels: tuple[tuple[str, str], ...]) -> str:
     return json.dumps(dict(sorted(labels)), separators=(",", ":"), ensure_ascii=False)
 
 
-def rows(parsed: Parsed, ts_ns: int, prefixes=DEFAULT_PREFIXES, drop_suffixes=DEFAULT_DROP_SUFFIXES) -> dict[str, list]:
+def rows(parsed: Parsed, ts_ns: int, kind: str | None = None, prefixes=(),
+         drop_suffixes=DEFAULT_DROP_SUFFIXES) -> dict[str, list]:
+    """The samples whose names start with one of ``prefixes`` (empty: every sample) as columns,
+    each of ``kind``."""
     cols = {c: [] for c in SCHEMA.names}
     for s in parsed.samples:
         if prefixes and not s.name.startswith(tuple(prefixes)):
@@ -207,6 +211,7 @@ def rows(parsed: Parsed, ts_ns: int, prefixes=DEFAULT_PREFIXES, drop_suffixes=DE
         if drop_suffixes and s.name.endswith(tuple(drop_suffixes)):
             continue
         cols["ts_ns"].append(ts_ns)
+        cols["kind"].append(kind)
         cols["name"].append(s.name)
         cols["labels"].append(labels_json(s.labels))
         cols["value"].append(s.value)
@@ -227,15 +232,15 @@ class MetricsScraper:
 
     name = TABLE
 
-    def __init__(self, url: str, interval: float = 10.0, timeout: float = 5.0, prefixes=DEFAULT_PREFIXES,
-                 drop_suffixes=DEFAULT_DROP_SUFFIXES, queue_scrapes: int = 3600, max_bytes: int = 32 << 20,
-                 netns: str | None = None, table: str = TABLE):
-        """``table``: the dataset table ("sglang_metrics" for SGLang's ``sglang:*`` series, with
-        ``prefixes=("sglang:",)``; the same columns)."""
+    def __init__(self, url: str, interval: float = 10.0, timeout: float = 5.0, kind: str | None = None,
+                 prefixes=(), drop_suffixes=DEFAULT_DROP_SUFFIXES, queue_scrapes: int = 3600,
+                 max_bytes: int = 32 << 20, netns: str | None = None):
+        """``kind``: the server kind the samples are of (their ``kind`` column; None: not known);
+        ``prefixes``: the names of the samples kept (the kind's ``metrics_prefix``; empty: all)."""
         if interval <= 0:
             raise ValueError("interval must be positive")
         self.url = url
-        self.name = table
+        self.kind = kind
         self.netns = netns  # /proc/PID/ns/net: scrape from inside the server's network namespace
         self.interval = interval
         self.timeout = timeout
@@ -264,7 +269,7 @@ class MetricsScraper:
         if len(body) > self.max_bytes:
             return self._failed(f"response larger than {self.max_bytes} bytes")
         parsed = parse(body)
-        cols = rows(parsed, ts, self.prefixes, self.drop_suffixes)
+        cols = rows(parsed, ts, self.kind, self.prefixes, self.drop_suffixes)
         with self._lock:
             self.c["scrapes"] += 1
             self.c["parse_errors"] += parsed.errors
@@ -340,6 +345,7 @@ class MetricsScraper:
         with self._lock:
             out = dict(self.c)
             out["url"] = self.url
+            out["kind"] = self.kind
             out["interval_s"] = self.interval
             out["last_error"] = self.last_error
         return out

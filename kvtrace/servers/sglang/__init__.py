@@ -8,9 +8,8 @@ from kvtrace.servers.sglang import discover
 KIND = ServerKind(
     name="sglang", title="SGLang", package="sglang",
     recognise=discover.server_kind, describe=discover.describe,
-    default_port=discover.DEFAULT_PORT, plugin_group=discover.PLUGIN_GROUP, plugins_env="SGLANG_PLUGINS",
+    default_port=discover.DEFAULT_PORT, plugin_group=discover.PLUGIN_GROUP, plugins_env=discover.PLUGINS_ENV,
     hook_module="kvtrace.hook.sglang.hook", hooked="scheduler",
     roles={"engine_pids": "engine"},
     support="kvtrace.hook.sglang.support:check", metrics_prefix="sglang:", cache_model="radix",
-    kv_events_endpoint=discover.DEFAULT_KV_ENDPOINT,
 )

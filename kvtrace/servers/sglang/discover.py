@@ -23,6 +23,7 @@ from kvtrace.servers.pyenv import PLUGIN_NAME
 
 DEFAULT_PORT = 30000
 PLUGIN_GROUP = "sglang.srt.plugins"
+PLUGINS_ENV = "SGLANG_PLUGINS"   # the variable that filters that group's plugins
 SCHEDULER = "sglang::schedul"   # the 15-character comm of "sglang::scheduler..."
 DEFAULT_KV_ENDPOINT = "tcp://*:5557"
 
@@ -103,7 +104,7 @@ def describe(proc: psutil.Process) -> ServerInfo | None:
     env = _environ(proc)
     py = environment(proc, cmdline, env, package="sglang", group=PLUGIN_GROUP)
     plugin = py["plugin"]
-    allowed = env.get("SGLANG_PLUGINS")
+    allowed = env.get(PLUGINS_ENV)
     if plugin == "installed" and allowed and PLUGIN_NAME not in [a.strip() for a in allowed.split(",")]:
         plugin = "disabled"
     return ServerInfo(

@@ -27,6 +27,7 @@ from kvtrace.servers.pyenv import PLUGIN_NAME
 DEFAULT_PORT = 8000
 DEFAULT_KV_ENDPOINT = "tcp://*:5557"
 PLUGIN_GROUP = "vllm.general_plugins"
+PLUGINS_ENV = "VLLM_PLUGINS"   # the variable that filters that group's plugins
 _SERVER_MODULES = ("vllm.entrypoints.openai.api_server", "vllm.entrypoints.api_server")
 
 
@@ -137,7 +138,7 @@ def describe(proc: psutil.Process) -> ServerInfo | None:
 
     py = environment(proc, cmdline, env, "vllm", PLUGIN_GROUP)
     plugin = py["plugin"]
-    allowed = env.get("VLLM_PLUGINS")   # the kind's plugins_env
+    allowed = env.get(PLUGINS_ENV)
     if plugin == "installed" and allowed is not None and PLUGIN_NAME not in [a.strip() for a in allowed.split(",")]:
         plugin = "disabled"
     return ServerInfo(
