@@ -195,7 +195,8 @@ for i in range(n):
     g = i % 10
     chain = [(1 << 63) | (g << 24) | j for j in range(blocks - 10)] + [(1 << 62) | (i << 24) | j for j in range(10)]
     reqs.append(Req(f"r{{i}}", i * 1_000_000_000, blocks * 32, 1, chain))
-wl = Workload(reqs, 32, {{}}, (5e6, 1e3, 1e5), [])
+kw = {{"kind": "vllm"}} if "kind" in Workload.__dataclass_fields__ else {{}}   # a --baseline tree before server kinds
+wl = Workload(reqs, 32, {{}}, (5e6, 1e3, 1e5), [], **kw)
 out = []
 for cache in (blocks * 20, blocks * 60):
     t0, c0 = time.perf_counter(), time.process_time()

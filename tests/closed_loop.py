@@ -65,26 +65,16 @@ def replay_at(ds, cache_blocks: int) -> tuple[float, list[str], list[str]]:
     """whatif's replay of the dataset at the recorded chunk budget and block size and this cache
     size: (hit rate, the requests in the order the replay first admitted them, in the order the
     recording did)."""
-    from kvtrace.analysis.whatif_radix import RadixReplay
-    from kvtrace.analysis.whatif_replay import Replay
-    from kvtrace.analysis.whatif_workload import workload
+    from kvtrace.analysis.whatif import Replay, workload
 
     wl = workload(ds)
     order: list[str] = []
-    kind = RadixReplay if wl.engine == "sglang" else Replay
 
-    class Logged(kind):
-        def _count_admission(self, r, hit):   # SGLang's replay
+    class Logged(Replay):
+        def _count_admission(self, r, *hit):   # every admission, either cache model
             if r.attempt == 0 and not r.admitted:
                 order.append(r.rid)
-            super()._count_admission(r, hit)
-
-        def _admit(self, r, budget, busy):     # vLLM's
-            first = r.attempt == 0 and not r.admitted
-            n = super()._admit(r, budget, busy)
-            if n and first:
-                order.append(r.rid)
-            return n
+            super()._count_admission(r, *hit)
 
     s = Logged(wl, wl.recorded["chunk_size"], wl.block_size, cache_blocks).run()
     return s["hit_rate"], order, recorded_order(ds)

@@ -58,10 +58,10 @@ def command(directory, chunk_size, block_size, cache_blocks, storage_tier, max_n
                      cache_blocks=cache_blocks, tiers=tiers, max_num_seqs=max_num_seqs,
                      max_combinations=max_combinations, say=lambda line: click.echo(f"kvtrace: {line}", err=True))
     if html_path:
-        from kvtrace.analysis import whatif_render  # lazy: only --html needs it
+        from kvtrace.analysis.whatif import html  # lazy: only --html needs it
         from kvtrace.dataset.writer import write_text  # lazy: as above
 
-        write_text(html_path, whatif_render.to_html(res))
+        write_text(html_path, html.to_html(res))
     if as_json:
         click.echo(json.dumps(res, indent=1))
     else:

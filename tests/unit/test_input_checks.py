@@ -194,7 +194,7 @@ def test_block_pool_estimate_bounds_what_it_allocates(wds, monkeypatch):
     reports its buffers to tracemalloc): a replay of a large cache, and a free queue made to
     compact again and again."""
     from kvtrace.analysis import whatif
-    from kvtrace.analysis.whatif_cache import FreeQueue
+    from kvtrace.analysis.whatif import FreeQueue
 
     compactions = []
     compact = FreeQueue._compact

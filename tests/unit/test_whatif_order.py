@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from kvtrace.analysis import whatif
+from kvtrace.dataset import schema
 from tests.unit import analysis_fixture as fx
 
 MS = 1_000_000
@@ -75,6 +76,8 @@ def recording(root: Path, engine: str) -> tuple[Path, float]:
         fx.write(root, t, rs)
     if sglang:
         fx.write(root, "engine", [fx.hook({"t_ns": 0, "name": "sglang", "version": "0.5.23", "block_size": 1})])
+    fx.write(root, "runs", [fx.run_row(server_kind=engine, server_version="0.5.23" if sglang else "0.32.0")],
+             sch=schema.RUNS)
     return root, hit / (4 * plen)
 
 

@@ -1,5 +1,5 @@
 """How long `kvtrace whatif` makes a step wait for KV loads from a storage tier of a given speed
-(docs/analysis.md, "What-if with storage speed").
+(docs/analysis.md, "The storage tier's speed").
 
 A block loaded from the tier costs ``fixed + io`` nanoseconds, paid in the step that admits the
 request (vLLM waits for synchronous loads before the forward):
@@ -10,8 +10,8 @@ request (vLLM waits for synchronous loads before the forward):
 * ``fixed``: the connector's own work per block outside those reads (opening the block's file,
   copying it into the KV cache): the recorded load time minus the recorded reads, per block.
 
-The step's other time is the fitted a + b·prefill tokens + c·decode requests of
-kvtrace.analysis.whatif_workload, fitted on the recorded steps during which nothing was loaded.
+The step's other time is the fitted a + b·prefill tokens + c·decode requests
+(recorded.fit_steps), fitted on the recorded steps during which nothing was loaded.
 """
 from __future__ import annotations
 
