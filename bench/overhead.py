@@ -198,10 +198,12 @@ def scrape_cost_ms(server: VllmServer, n: int = 20) -> float:
 
 
 def scrapes_between(ds, t0: int, t1: int) -> int:
-    """The agent's /metrics scrapes in [t0, t1] (CLOCK_MONOTONIC ns): distinct ts_ns of vllm_metrics."""
-    if "vllm_metrics" not in ds.names():
+    """The agent's /metrics scrapes in [t0, t1] (CLOCK_MONOTONIC ns): distinct ts_ns of server_metrics
+    (vllm_metrics in a dataset of version 1)."""
+    table = next((t for t in ("server_metrics", "vllm_metrics") if t in ds.names()), None)
+    if table is None:
         return 0
-    ts = set(ds.table("vllm_metrics").column("ts_ns").to_pylist())
+    ts = set(ds.table(table).column("ts_ns").to_pylist())
     return sum(1 for t in ts if t0 <= t <= t1)
 
 
@@ -209,7 +211,7 @@ def scrape_interval_s(ds) -> float | None:
     """The agent's /metrics interval, from its run row."""
     (run,) = ds.runs()
     for sc in json.loads(run.get("sidecars") or "[]"):
-        if sc.get("name") == "vllm_metrics":
+        if sc.get("name") in ("server_metrics", "vllm_metrics"):
             return sc.get("interval_s")
     return None
 

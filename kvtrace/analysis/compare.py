@@ -122,7 +122,7 @@ def compare(base: dict, new: dict, gates: list[Gate] = ()) -> dict:
 def _run(rep: dict) -> dict:
     s = rep["service"]
     engines = (rep.get("server") or {}).get("engines") or []
-    return {"dataset": rep.get("dataset"), "engine": ", ".join(f"{e['name']} {e['version']}" for e in engines) or "vllm",
+    return {"dataset": rep.get("dataset"), "engine": ", ".join(f"{e['name']} {e['version']}" for e in engines) or None,
             "requests": s["requests"], "prompt_tokens": s["prompt_tokens"],
             "output_tokens": s["output_tokens"], "window_s": (s["window_ns"] or 0) / 1e9,
             "bottleneck": rep["verdict"]["bottleneck"]}

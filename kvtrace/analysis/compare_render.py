@@ -41,9 +41,9 @@ def terminal(result: dict, console: Console | None = None, wide: bool = False) -
     b, n = result["base"], result["new"]
     c.print(f"[bold]kvtrace compare[/]  BASE {escape(str(b['dataset']))}  NEW {escape(str(n['dataset']))}")
     t.lines("•", [result["compared"],
-                  f"BASE ({b.get('engine', 'vllm')}): {b['requests']} requests, {b['prompt_tokens']:,} prompt and {b['output_tokens']:,} output tokens "
+                  f"BASE ({b.get('engine') or 'server not named'}): {b['requests']} requests, {b['prompt_tokens']:,} prompt and {b['output_tokens']:,} output tokens "
                   f"in {b['window_s']:.2f} s, bottleneck {b['bottleneck']}",
-                  f"NEW ({n.get('engine', 'vllm')}):  {n['requests']} requests, {n['prompt_tokens']:,} prompt and {n['output_tokens']:,} output tokens "
+                  f"NEW ({n.get('engine') or 'server not named'}):  {n['requests']} requests, {n['prompt_tokens']:,} prompt and {n['output_tokens']:,} output tokens "
                   f"in {n['window_s']:.2f} s, bottleneck {n['bottleneck']}"])
     cols = [Col("figure", justify="left"), Col("BASE"), Col("NEW"), Col("delta"), Col("NEW/BASE", 1),
             Col("what", 3, justify="left", wrap="word")]

@@ -2,8 +2,10 @@
 
 Each table becomes a view with the analysis' column names and types (BIGINT integers, DOUBLE,
 text; 64-bit hashes stay unsigned: UBIGINT in DuckDB, DECIMAL(20,0) in Spark).  A table the
-dataset lacks becomes an empty view with the same columns, so every query runs.  Results come
-back as plain Python values (Decimal -> int), so the two engines' reports compare equal.
+dataset lacks becomes an empty view with the same columns, so every query runs.  The tables
+kvtrace.analysis.load builds (server_metrics) are given to the engine as Arrow tables, the rest
+are read from their files.  Results come back as plain Python values (Decimal -> int), so the
+two engines' reports compare equal.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import threading
 import pyarrow as pa
 from pathlib import Path
 
-from kvtrace.analysis.load import COLUMNS, Inputs
+from kvtrace.analysis.load import BUILT, COLUMNS, Inputs
 from kvtrace.errors import UsageError
 
 
@@ -35,6 +37,10 @@ class Engine:
         raise NotImplementedError
 
     def read(self, view: str, files: list[Path]) -> None:
+        raise NotImplementedError
+
+    def load(self, view: str, table: pa.Table) -> None:
+        """An Arrow table as view (string, integer and double columns)."""
         raise NotImplementedError
 
     def execute(self, sql: str) -> None:
@@ -57,10 +63,22 @@ class Engine:
     def null(self, kind: str) -> str:
         return f"CAST(NULL AS {self.types[kind]})"
 
+    def _raw(self, table: str, inp: Inputs) -> set[str]:
+        """raw_<table> made from the table's files (or from what load built), its columns; none
+        when the dataset has no rows of it."""
+        if table in BUILT:
+            t = BUILT[table](inp)
+            if t.num_rows:
+                self.load(f"raw_{table}", t)
+            return set(t.column_names) if t.num_rows else set()
+        files = inp.files.get(table, [])
+        if files:
+            self.read(f"raw_{table}", files)
+        return inp.present.get(table, set()) if files else set()
+
     def register(self, inp: Inputs) -> None:
         for table, cols in COLUMNS.items():
-            files = inp.files.get(table, [])
-            have = inp.present.get(table, set()) if files else set()
+            have = self._raw(table, inp)
             exprs = [f"COALESCE(CAST({self.q('run')} AS {self.types['S']}), '') AS run" if "run" in have else "'' AS run"]
             for src, alias, kind in cols:
                 if src not in have:
@@ -69,8 +87,7 @@ class Engine:
                     exprs.append(f"{self.q(src)} AS {alias}")
                 else:
                     exprs.append(f"CAST({self.q(src)} AS {self.types[kind]}) AS {alias}")
-            if files:
-                self.read(f"raw_{table}", files)
+            if have:
                 self.execute(f"CREATE OR REPLACE {self.temp}VIEW {table} AS SELECT {', '.join(exprs)} FROM raw_{table}")
             else:
                 self.execute(f"CREATE OR REPLACE {self.temp}VIEW {table} AS SELECT {', '.join(exprs)} FROM {self.one_row()} WHERE 1 = 0")
@@ -149,6 +166,13 @@ class DuckDBEngine(Engine):
         lst = ", ".join("'" + str(p).replace("'", "''") + "'" for p in files)
         self.con.execute(f"CREATE OR REPLACE VIEW {view} AS SELECT * FROM read_parquet([{lst}], union_by_name = true)")
 
+    def load(self, view: str, table: pa.Table) -> None:
+        self.con.register("kvtrace_arrow", table)
+        try:
+            self.con.execute(f"CREATE OR REPLACE TABLE {view} AS SELECT * FROM kvtrace_arrow")
+        finally:
+            self.con.unregister("kvtrace_arrow")
+
     def execute(self, sql: str) -> None:
         self.con.execute(sql)
 
@@ -179,6 +203,11 @@ class DuckDBEngine(Engine):
         for c in self._cursors:
             c.close()
         self.con.close()
+
+
+def _kind(t: pa.DataType) -> str:
+    """An Arrow column type as one of the analysis' column kinds: I, F or S."""
+    return "I" if pa.types.is_integer(t) else "F" if pa.types.is_floating(t) else "S"
 
 
 class SparkEngine(Engine):
@@ -212,6 +241,11 @@ class SparkEngine(Engine):
     def read(self, view: str, files: list[Path]) -> None:
         df = self.spark.read.option("mergeSchema", "true").parquet(*[str(p) for p in files])
         df.createOrReplaceTempView(view)
+
+    def load(self, view: str, table: pa.Table) -> None:
+        ddl = ", ".join(f"{self.q(f.name)} {self.types[_kind(f.type)]}" for f in table.schema)
+        rows = [tuple(r.values()) for r in table.to_pylist()]
+        self.spark.createDataFrame(rows, schema=ddl).createOrReplaceTempView(view)
 
     def execute(self, sql: str) -> None:
         self.spark.sql(sql)

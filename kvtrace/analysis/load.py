@@ -2,11 +2,13 @@
 
 The dataset's one rule (kvtrace.dataset.reader, docs/schema.md): a file that cannot be read
 (truncated, corrupt) is left out, said on stderr and named in the gaps, so the rest of the
-dataset is still analysed; a file without or of another schema version stops the analysis with
-its name (mixing versions would silently change what columns mean).  The engines (DuckDB's
-read_parquet, Spark) read the files by path for their SQL, but only the files listed here.
-Columns are given safe names (``start`` -> ``tok_start`` ...) so one SQL text runs on DuckDB
-and Spark alike.
+dataset is still analysed; a file without a schema version, or of one this kvtrace does not
+read, stops the analysis with its name.  The engines (DuckDB's read_parquet, Spark) read the
+files by path for their SQL, but only the files listed here.  Columns are given safe names
+(``start`` -> ``tok_start`` ...) so one SQL text runs on DuckDB and Spark alike.
+
+What server each run recorded, and its /metrics samples, are read in one place each,
+server_kinds and server_metrics, for datasets of every version this kvtrace reads.
 """
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from kvtrace.dataset import schema
 from kvtrace.dataset.reader import Dataset
 from kvtrace.errors import DatasetError
+from kvtrace.servers import registry
 
 # Column kinds: I integer (read as BIGINT), F double, S text, H 64-bit hash (kept unsigned),
 # HL list of 64-bit hashes.
@@ -72,8 +76,9 @@ COLUMNS: dict[str, list[tuple[str, str, str]]] = {
                  ("sq_occupancy", "sq_occupancy", "I"), ("weight", "weight", "I")],
     "nic_counters": [("ts_ns", "ts_ns", "I"), ("interval_ns", "interval_ns", "I"), ("device", "device", "S"),
                      ("port", "port", "I"), ("name", "name", "S"), ("delta", "delta", "I")],
-    "vllm_metrics": [("ts_ns", "ts_ns", "I"), ("name", "name", "S"), ("labels", "labels", "S"), ("value", "value", "F")],
-    "sglang_metrics": [("ts_ns", "ts_ns", "I"), ("name", "name", "S"), ("labels", "labels", "S"), ("value", "value", "F")],
+    # built here from the dataset (server_metrics below), not read from files by the engines
+    "server_metrics": [("kind", "kind", "S"), ("ts_ns", "ts_ns", "I"), ("name", "name", "S"),
+                       ("labels", "labels", "S"), ("value", "value", "F")],
     "engine": [("pid", "pid", "I"), ("name", "name", "S"), ("version", "version", "S"), ("block_size", "block_size", "I")],
 }
 HOOK_TABLES = ("step", "chunk", "admit", "evict", "preempt", "kv_load", "kv_store", "arrive", "finish", "prompt_blocks")
@@ -99,7 +104,7 @@ def scan(root) -> Inputs:
     their versions and leaves out unreadable ones); raise DatasetError when nothing usable is left."""
     ds = Dataset.open(root, defer=True)
     inp = Inputs(Path(root), gaps=list(ds.problems), ds=ds)
-    for name in COLUMNS:
+    for name in (*COLUMNS, *schema.V1_METRICS_TABLES):
         if ds.files(name):
             inp.files[name] = ds.files(name)
             inp.present[name] = ds.columns(name)
@@ -166,17 +171,90 @@ def find_unreadable(inp: Inputs) -> list[tuple[str, Path, str]]:
     return bad
 
 
+# The run row names the server from this version on; older runs are read by the rules of
+# _kinds_before (docs/schema.md, "Datasets of version 1").
+STATED_SINCE = 2
+# Hooks before version 5 sent no engine record, and ran only in vLLM.
+KIND_WITHOUT_ENGINE_RECORD = "vllm"
+
+
 def server_kinds(inp: Inputs) -> list[str]:
-    """The server kinds (kvtrace.servers.registry names) the dataset's rows come from, sorted;
-    empty when it does not say.  The one place analysis learns the kind of server recorded."""
-    if not inp.has("engine"):
-        return []
-    return sorted({n for n in read_table(inp, "engine").column("name").to_pylist() if n})
+    """The server kinds (kvtrace.servers.registry names) the dataset's runs recorded, sorted;
+    empty when none says.  The one place analysis learns the kind of server recorded: the run
+    row's ``server_kind``, which discovery gave; for a run whose attach found no server (a
+    server kvtrace started, ``attach -- CMD``), the kind its hook's engine records name; for a
+    run written before the run row named it, _kinds_before.  A kind this kvtrace does not know:
+    UnknownServerKind (exit 6)."""
+    versions = inp.ds.run_versions()
+    stated = {r["run"]: r.get("server_kind") for r in inp.ds.runs()}
+    current = [run for run, v in versions.items() if v >= STATED_SINCE]
+    kinds = {stated.get(run) for run in current}
+    unstated = [run for run in current if not stated.get(run)]
+    if unstated:
+        named = _hook_kinds(inp)
+        kinds |= {k for run in unstated for k in named.get(run, ())}
+    kinds |= _kinds_before(inp, sorted(run for run, v in versions.items() if v < STATED_SINCE))
+    return sorted(registry.kind(k).name for k in kinds if k)
+
+
+def _hook_kinds(inp: Inputs) -> dict[str, set[str]]:
+    """run -> the kinds its hook's engine records name."""
+    engine = read_table(inp, "engine") if inp.has("engine") else pa.table({})
+    named: dict[str, set[str]] = {}
+    for run, name in zip(_strings(engine, "run"), _strings(engine, "name")):
+        if name:
+            named.setdefault(run, set()).add(name)
+    return named
+
+
+def _kinds_before(inp: Inputs, runs: list[str]) -> set[str]:
+    """The kinds of runs whose run row does not name one: the names in the hook's engine records
+    (without any, a run with hook records is vLLM's: KIND_WITHOUT_ENGINE_RECORD), and the kind
+    of each per-kind metrics table the run has (schema.V1_METRICS_TABLES)."""
+    if not runs:
+        return set()
+    named = _hook_kinds(inp)
+    kinds = set()
+    for run in runs:
+        kinds |= named.get(run) or ({KIND_WITHOUT_ENGINE_RECORD} if inp.ds.rows("step", run) else set())
+        kinds |= {kind for table, kind in schema.V1_METRICS_TABLES.items() if inp.ds.rows(table, run)}
+    return kinds
+
+
+def _strings(t: pa.Table, column: str) -> list:
+    return t.column(column).cast(pa.string()).to_pylist() if column in t.column_names else [None] * t.num_rows
+
+
+METRICS = pa.schema([("run", pa.string()), ("kind", pa.string()), ("ts_ns", pa.uint64()), ("name", pa.string()),
+                     ("labels", pa.string()), ("value", pa.float64())])
 
 
 def server_metrics(inp: Inputs) -> pa.Table:
-    """Every scraped /metrics sample (ts_ns, name, labels, value) of every server kind, in one
-    table; empty when none was scraped."""
-    parts = [read_table(inp, t).select(["ts_ns", "name", "labels", "value"])
-             for t in ("vllm_metrics", "sglang_metrics") if inp.has(t)]
-    return pa.concat_tables(parts) if parts else pa.table({})
+    """Every scraped /metrics sample of every run, in one table (METRICS: run, kind, ts_ns, name,
+    labels, value); no rows when none was scraped.  The samples of the server_metrics table, and
+    for runs written before it each per-kind table's (schema.V1_METRICS_TABLES), their kind the
+    table's.  A kind this kvtrace does not know: UnknownServerKind (exit 6)."""
+    parts = [_metrics(read_table(inp, "server_metrics"), None)] if inp.has("server_metrics") else []
+    parts += [_metrics(read_table(inp, table), kind) for table, kind in schema.V1_METRICS_TABLES.items()
+              if inp.has(table)]
+    out = pa.concat_tables(parts) if parts else METRICS.empty_table()
+    for k in set(out.column("kind").to_pylist()) - {None}:
+        registry.kind(k)
+    return out
+
+
+def _metrics(t: pa.Table, kind: str | None) -> pa.Table:
+    """t's rows in METRICS' columns; the kind column ``kind`` when given."""
+    cols = []
+    for f in METRICS:
+        if f.name == "kind" and kind is not None:
+            cols.append(pa.array([kind] * t.num_rows, f.type))
+        elif f.name in t.column_names:
+            cols.append(t.column(f.name).cast(f.type))
+        else:
+            cols.append(pa.nulls(t.num_rows, f.type))
+    return pa.table(cols, schema=METRICS)
+
+
+# Tables the engines are given as built here, not as the dataset's files.
+BUILT = {"server_metrics": server_metrics}

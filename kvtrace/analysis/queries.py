@@ -376,14 +376,14 @@ FIGURES: dict[str, str] = {
     "read_bytes": f"""SELECT (SELECT COALESCE(SUM(nbytes), 0) FROM kv_load WHERE request <> '') AS kv_load_bytes,
         (SELECT COALESCE(SUM(bytes * COALESCE(NULLIF(weight, 0), 1)), 0) FROM block_io WHERE op = 'R' AND (error = 0 OR error IS NULL)) AS block_read_bytes,
         (SELECT COALESCE(SUM(bytes * w), 0) FROM fread) AS file_read_bytes""",
-    "metrics": """WITH m AS (SELECT run, ts_ns, name, SUM(value) AS v FROM (
-            SELECT run, ts_ns, name, value FROM vllm_metrics UNION ALL SELECT run, ts_ns, name, value FROM sglang_metrics) a
+    # the rise of each counter the report compares with the hook's, per server kind
+    "metrics": """WITH m AS (SELECT run, kind, ts_ns, name, SUM(value) AS v FROM server_metrics
           WHERE name IN (
           'vllm:prefix_cache_hits_total', 'vllm:prefix_cache_queries_total', 'vllm:external_prefix_cache_hits_total',
           'vllm:external_prefix_cache_queries_total', 'vllm:num_preemptions_total', 'sglang:cached_tokens_total',
           'sglang:prompt_tokens_total', 'sglang:num_retracted_requests_total', 'sglang:evicted_tokens_total')
-          GROUP BY run, ts_ns, name)
-        SELECT name, SUM(rise) AS rise, SUM(scrapes) AS scrapes FROM (
-          SELECT run, name, MAX(v) - MIN(v) AS rise, COUNT(*) AS scrapes FROM m GROUP BY run, name) t
-        GROUP BY name ORDER BY name""",
+          GROUP BY run, kind, ts_ns, name)
+        SELECT kind, name, SUM(rise) AS rise, SUM(scrapes) AS scrapes FROM (
+          SELECT run, kind, name, MAX(v) - MIN(v) AS rise, COUNT(*) AS scrapes FROM m GROUP BY run, kind, name) t
+        GROUP BY kind, name ORDER BY COALESCE(kind, ''), name""",
 }

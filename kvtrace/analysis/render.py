@@ -13,6 +13,8 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
+from kvtrace.servers import registry
+
 COLORS = {"compute": "#4e79a7", "recompute": "#9c755f", "storage": "#e15759", "queueing": "#f28e2b",
           "sched": "#edc948", "lost": "#e15759", "reloaded": "#59a14f", "restored": "#76b7b2", "hit": "#59a14f",
           "computed": "#bab0ac"}
@@ -356,7 +358,9 @@ def _tail(t: Term, rep: dict) -> None:
             f"{num(s['tokens_per_s'])} tokens/s ({num(s['output_tokens_per_s'])} output); storage read "
             + ", ".join(f"{k.replace('_bytes', '')} {v:.4f} GB/s" for k, v in s["storage_read_gb_per_s"].items()))
     if m.get("available"):
-        t.prose("vLLM /metrics", f"local hit rate {pct(m['local_hit_rate'])} (kvtrace local {pct(rep['reuse']['local_rate'])})")
+        titles = " and ".join(dict.fromkeys(registry.kind(e["name"]).title for e in rep["server"]["engines"])) \
+            or "the server's"
+        t.prose(f"{titles} /metrics", f"local hit rate {pct(m['local_hit_rate'])} (kvtrace local {pct(rep['reuse']['local_rate'])})")
         t.lines("why:", m["why_different"])
     t.lines("gap:", rep["gaps"], style="yellow")
 

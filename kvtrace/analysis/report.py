@@ -13,6 +13,7 @@ from pathlib import Path
 from kvtrace.analysis import load, queries
 from kvtrace.analysis.engine import make
 from kvtrace.errors import DatasetError
+from kvtrace.servers import registry
 
 MAX_CHUNK_ROWS = 200_000  # per-chunk rows kept in the report (the figures use all of them)
 
@@ -140,14 +141,15 @@ def build(rows: dict[str, list[dict]], inp: load.Inputs) -> dict:
     section may add to ``gaps``, and the later ones read the earlier ones' prompt tokens)."""
     one = {k: (v[0] if v else {}) for k, v in rows.items()}
     gaps = list(inp.gaps)
+    kinds = [registry.kind(k) for k in load.server_kinds(inp)]
     rep: dict = {"gaps": gaps}
     rep["block_size"] = _block_size(rows, gaps)
-    rep["server"] = _server(rows)
+    rep["server"] = _server(rows, kinds)
     rep["reuse"] = reuse = _reuse(rows, one)
     pt = reuse["prompt_tokens"]
     rep["chunking"] = _chunking(rows, one, pt)
     rep["misses"] = _misses(rows, one)
-    if rep["server"]["counts"] == RADIX_NOTE:
+    if kinds and all(k.cache_model == "radix" for k in kinds):
         _radix_inflight(rep, pt)
     rep["timing"] = _timing(rows, one)
     rep["reload_vs_recompute"] = _reload_vs_recompute(rows, one)
@@ -156,7 +158,7 @@ def build(rows: dict[str, list[dict]], inp: load.Inputs) -> dict:
     rep["service"] = _service(rows, one, pt, gaps)
     rep["metrics"] = metrics_note(rows["metrics"], reuse)
     rep["verdict"] = verdict(rep)
-    rep["headline"] = headline(rep)
+    rep["headline"] = headline(rep, kinds)
     return _normalised(rep)
 
 
@@ -181,19 +183,26 @@ def _block_size(rows: dict[str, list[dict]], gaps: list[str]):
     return sizes[0] if len(sizes) == 1 else (sizes or None)
 
 
-RADIX_NOTE = ("SGLang's radix cache is token-granular (page size 1): a block in these figures is one token, so "
-              "hits, misses and evictions count tokens, a chunk never ends inside a block, and a prompt's last "
-              "token is always computed (SGLang matches at most its length - 1)")
+# What the figures count on each cache model (kvtrace.servers.kind.ServerKind.cache_model), said
+# of the kind's title.
+COUNTS = {
+    "block_pool": "{title}'s prefix cache holds fixed blocks: hits count whole blocks, a prompt's partial last "
+                  "block never hits",
+    "radix": "{title}'s radix cache is token-granular (page size 1): a block in these figures is one token, so hits, "
+             "misses and evictions count tokens, a chunk never ends inside a block, and a prompt's last token is "
+             "always computed ({title} matches at most its length - 1)",
+}
+NO_KIND = ("the dataset does not say what server it recorded (kvtrace attach found none): the figures count the "
+           "hook's blocks as recorded")
 
 
-def _server(rows: dict[str, list[dict]]) -> dict:
-    """The serving engine(s) the hook ran in (its engine records; none before hook 5: vLLM) and
-    what the figures count on its cache."""
+def _server(rows: dict[str, list[dict]], kinds: list) -> dict:
+    """The serving engine(s) the hook ran in (its engine records) and what the figures count on
+    the cache of each server kind recorded (kvtrace.analysis.load.server_kinds)."""
     engines = [{"name": r["name"], "version": r["version"], "block_size": r["block_size"]} for r in rows["server"]]
-    names = {e["name"] for e in engines} or {"vllm"}
-    counts = RADIX_NOTE if names == {"sglang"} else (
-        "vLLM's prefix cache holds fixed blocks: hits count whole blocks, a prompt's partial last block never hits")
-    return {"engines": engines, "counts": counts}
+    counts = "; ".join(COUNTS.get(k.cache_model, "{title}'s cache: {model}").format(title=k.title, model=k.cache_model)
+                       for k in kinds)
+    return {"engines": engines, "counts": counts or NO_KIND}
 
 
 def _radix_inflight(rep: dict, pt: int) -> None:
@@ -414,11 +423,27 @@ def slow_chunks(rows: dict[str, list[dict]]) -> list[dict]:
 
 
 def metrics_note(mrows: list[dict], reuse: dict) -> dict:
+    """The rise of the server's /metrics counters beside the hook's figures, and why they differ:
+    the note of the scrapes' server kind (METRICS_NOTES, by its metrics prefix)."""
     m = {r["name"]: r["rise"] for r in mrows}
     if not m:
         return {"available": False}
-    if any(k.startswith("sglang:") for k in m):
-        return _sglang_metrics_note(m, reuse)
+    kinds = sorted({r["kind"] for r in mrows}, key=lambda k: k or "")
+    if None in kinds or len(kinds) > 1:
+        why = ("the scrapes name no server kind (a --metrics-url without a discovered server)" if None in kinds else
+               f"the scrapes are of {len(kinds)} server kinds ({', '.join(registry.kind(k).title for k in kinds)})")
+        return _uncompared(m, why)
+    kind = registry.kind(kinds[0])
+    note = METRICS_NOTES.get(kind.metrics_prefix)
+    return note(m, reuse) if note else _uncompared(m, f"kvtrace compares none of {kind.title}'s counters")
+
+
+def _uncompared(m: dict, why: str) -> dict:
+    return {"available": True, "rises": m, "local_hit_rate": None, "combined_hit_rate": None,
+            "why_different": [f"{why}: no counter is compared with the hook's figures"]}
+
+
+def _vllm_metrics_note(m: dict, reuse: dict) -> dict:
     hits, queries_ = m.get("vllm:prefix_cache_hits_total"), m.get("vllm:prefix_cache_queries_total")
     ext = m.get("vllm:external_prefix_cache_hits_total") or 0
     rate = _ratio(hits or 0, queries_ or 0)
@@ -452,6 +477,10 @@ def _sglang_metrics_note(m: dict, reuse: dict) -> dict:
             "combined_hit_rate": _ratio(hits or 0, prompt or 0), "why_different": why}
 
 
+# The note of each kind's counters, by the kind's metrics prefix (the series it names).
+METRICS_NOTES = {"vllm:": _vllm_metrics_note, "sglang:": _sglang_metrics_note}
+
+
 def verdict(rep: dict) -> dict:
     t = rep["timing"]
     comp = t["components_ns"]
@@ -480,11 +509,13 @@ def verdict(rep: dict) -> dict:
     return {"bottleneck": which, "evidence": ev}
 
 
-def headline(rep: dict) -> list[str]:
+def headline(rep: dict, kinds: list) -> list[str]:
+    """The report in a few lines; first the engine, when the cache of a server kind recorded
+    (``kinds``: kvtrace.servers.kind.ServerKind) is token-granular."""
     r, c = rep["reuse"], rep["chunking"]
     out = []
-    if any(e["name"] == "sglang" for e in rep["server"]["engines"]):
-        v = ", ".join(f"{e['name']} {e['version']}" for e in rep["server"]["engines"])
+    if any(k.cache_model == "radix" for k in kinds):
+        v = ", ".join(f"{e['name']} {e['version']}" for e in rep["server"]["engines"]) or ", ".join(k.name for k in kinds)
         out.append(f"engine: {v}; {rep['server']['counts']}")
     if r["hit_rate"] is not None:
         out.append(f"KV reuse: {100 * r['hit_rate']:.2f}% of {r['prompt_tokens']:,} prompt tokens hit at admission "

@@ -74,6 +74,8 @@ def run(cap: Capture, echo) -> tuple[object, str]:
     from kvtrace.attach.streams import start_vllm_streams  # lazy: start-up cost: the CLI imports attach's options for every command
 
     plan, writer, server = cap.plan, cap.writer, cap.server
+    if server is not None:   # the run row names the server discovery found (none: null)
+        writer.state_server(server.kind, server.version)
     pids = list(cap.pids)
     source = Source(plan)
     gated = pipeline = raw = None

@@ -1,4 +1,4 @@
-"""The vLLM-side streams of a capture: the KV-event subscriber(s) and the /metrics scraper."""
+"""The server-side streams of a capture: the KV-event subscriber(s) and the /metrics scraper."""
 from __future__ import annotations
 
 import sys
@@ -16,6 +16,16 @@ def _server_procs(server, pids) -> kvpeer.ServerProcs | None:
     if server is not None:
         return kvpeer.ServerProcs(kvpeer.server_roots(server))
     return kvpeer.ServerProcs(list(pids)) if pids else None
+
+
+def _scraper(server, url: str, interval: float, ns: str | None) -> MetricsScraper:
+    """The /metrics scraper: the server's kind and its series; without a discovered server (a
+    --metrics-url of its own) no kind, and the series of every kind kvtrace knows."""
+    if server is not None:
+        kind = registry.kind(server.kind)
+        return MetricsScraper(url, interval=interval, netns=ns, kind=kind.name, prefixes=(kind.metrics_prefix,))
+    prefixes = tuple(registry.kind(n).metrics_prefix for n in registry.names())
+    return MetricsScraper(url, interval=interval, netns=ns, kind=None, prefixes=prefixes)
 
 
 def start_vllm_streams(server, kv_events: str | None, kv_replay: str | None, metrics_url: str | None,
@@ -66,13 +76,11 @@ def start_vllm_streams(server, kv_events: str | None, kv_replay: str | None, met
         notes.append("no kv_events (the server was started without --kv-events-config)")
     url = metrics_url or (server.metrics_url if server is not None else None)
     if url:
-        kind = registry.kind(server.kind) if server is not None else registry.kind("vllm")
-        table = f"{kind.name}_metrics"
-        scraper = MetricsScraper(url, interval=metrics_interval, netns=ns, table=table, prefixes=(kind.metrics_prefix,))
+        scraper = _scraper(server, url, metrics_interval, ns)
         for w in scraper.start():
             echo(f"kvtrace: warning: {w}")
         sidecars.append(scraper)
-        notes.append(f"{table} from {url} every {metrics_interval:g}s")
+        notes.append(f"{scraper.name} from {url} every {metrics_interval:g}s")
     if notes and ns:
         notes.append(f"inside the server's network namespace {server.netns_id}")
     if notes:

@@ -104,6 +104,8 @@ def print_run(console: Console, r: dict) -> None:
     lost = sum(v for v in (r.get("lost_events") or {}).values() if isinstance(v, (int, float)))
     console.print(f"run {r['run']} ({r.get('status') or '?'}): {(r['stop_ns'] - r['start_ns']) / 1e9:.1f} s, "
                   f"lost {lost}, dropped {r.get('dropped_events') or 0}", markup=False)
+    if r.get("server_kind"):
+        t.prose("  server", server_line(r))
     t.prose("  pids", ", ".join(map(str, r.get("pids") or [])))
     t.prose("  probes", ", ".join(map(str, r.get("probes_attached") or [])))
     for probe, why in (r.get("probes_skipped") or {}).items():
@@ -114,6 +116,15 @@ def print_run(console: Console, r: dict) -> None:
             line = textwrap.fill(line.strip(), console.width, initial_indent="  ", subsequent_indent="    ",
                                  break_on_hyphens=False)
         console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def server_line(r: dict) -> str:
+    """The run row's server: its kind's title (the name itself when this kvtrace does not know
+    the kind) and version."""
+    from kvtrace.servers import registry  # lazy: start-up cost: the CLI imports every command's module (cli._register)
+
+    known = registry.KINDS.get(r["server_kind"])
+    return f"{known.title if known else r['server_kind']} {r.get('server_version') or ''}".strip()
 
 
 def print_tables(console: Console, title: str, tables: dict) -> None:

@@ -39,6 +39,8 @@ from __future__ import annotations
 from collections import Counter, OrderedDict, defaultdict
 from dataclasses import dataclass, field
 
+from kvtrace.servers import registry
+
 CAUSES = ("hit_local", "hit_external", "miss_cold", "miss_unseen", "miss_evicted", "miss_inflight", "miss_tail",
           "miss_other_key", "miss_not_looked_up")
 HITS = ("hit_local", "hit_external")
@@ -98,8 +100,8 @@ class CacheReplay:
     # -- per-request structure: prompt chains, lookups, the snapshot at attach -----------------
 
     def structure(self, prompt_blocks=(), resume_blocks=(), prompt_plain=(), lookup=(), cached=(), engine=()) -> None:
-        for r in engine:   # SGLang: a chunk is in the radix tree from the next step on
-            self.engines[r["pid"]].radix = r["name"] == "sglang"
+        for r in engine:   # a radix tree (SGLang's) holds a chunk from the next step on
+            self.engines[r["pid"]].radix = registry.kind(r["name"]).cache_model == "radix"
         for r in prompt_blocks:
             e = self.engines[r["pid"]]
             e.block_size = e.block_size or int(r["block_size"])

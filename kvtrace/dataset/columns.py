@@ -33,6 +33,8 @@ def declared(table: str) -> tuple[pa.Schema | None, bool]:
         return schema.RUNS, False
     if table in schema.TABLES:
         return schema.TABLES[table], False
+    if table in schema.V1_METRICS_TABLES:
+        return schema.V1_METRICS, False
     hook = schema.hook_schema(table)
     return hook, hook is not None
 

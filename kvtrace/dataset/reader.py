@@ -4,8 +4,10 @@ Every command that reads a dataset (summary, correlate, export, analyze, whatif)
 here, so one rule holds for all of them (docs/schema.md, "Reading a dataset"):
 
 - no directory, not a directory, no Parquet file under it: DatasetError (exit 6);
-- a file whose footer reads but that carries no kvtrace ``schema_version``, or another one:
-  DatasetError naming the file (its columns may mean something else);
+- a file whose footer reads but that carries no kvtrace ``schema_version``, or one this kvtrace
+  does not read (schema.READABLE): DatasetError naming the file (its columns may mean something
+  else).  Version 1 and 2 files may be mixed (a version 1 dataset correlated by this kvtrace);
+  ``run_versions`` says which version each run was written in;
 - a file that cannot be read (a part torn by a crash, truncated, a corrupt footer or page,
   no permission, not a regular file: a FIFO, a socket, a link): left out, named in ``problems``
   and in one warning line on stderr, and the rest is read; every file unreadable: DatasetError.
@@ -98,13 +100,19 @@ def list_files(root: Path) -> dict[str, list[Path]]:
         raise DatasetError(f"cannot read {shown(root)}: {e.strerror}") from None
 
 
+def readable() -> str:
+    """The schema versions this kvtrace reads, in words ("versions 1 and 2")."""
+    *first, last = schema.READABLE
+    return f"versions {', '.join(map(str, first))} and {last}" if first else f"version {last}"
+
+
 def version_error(bad: list[tuple[Path, object]], mixed: bool) -> DatasetError:
     path, v = bad[0]
     what = "no kvtrace schema version (not written by kvtrace, or its metadata was stripped)" if v is None \
         else f"schema version {v}"
     more = f" ({len(bad) - 1} more files like it)" if len(bad) > 1 else ""
-    mix = f" (the dataset mixes versions: other files are version {schema.SCHEMA_VERSION})" if mixed else ""
-    return DatasetError(f"{path} has {what}; this kvtrace reads version {schema.SCHEMA_VERSION}{more}{mix}")
+    mix = " (the dataset mixes versions: other files are of a version it reads)" if mixed else ""
+    return DatasetError(f"{path} has {what}; this kvtrace reads {readable()}{more}{mix}")
 
 
 @dataclass
@@ -146,7 +154,7 @@ class Dataset:
 
     def _check_versions(self) -> None:
         seen = [(p, f.version) for files in self.footers.values() for p, f in files.items()]
-        bad = [(p, v) for p, v in seen if v != schema.SCHEMA_VERSION]
+        bad = [(p, v) for p, v in seen if v not in schema.READABLE]
         if bad:
             raise version_error(bad, mixed=len(bad) < len(seen))
 
@@ -166,6 +174,16 @@ class Dataset:
             some = ", ".join(known[:5]) + (f" and {len(known) - 5} more" if len(known) > 5 else "")
             raise DatasetError(f"{shown(self.root)} has no run {run!r} (its runs: {some or 'none'}; "
                                "kvtrace summary DIR lists them)")
+
+    def run_versions(self) -> dict[str, int]:
+        """Run id -> the schema version it was written in: the lowest of its files' (a version 1
+        run keeps version 1 when a later kvtrace adds derived tables to it)."""
+        out: dict[str, int] = {}
+        for files in self.footers.values():
+            for p, f in files.items():
+                run = copies.run_of(p)
+                out[run] = min(out.get(run, f.version), f.version)
+        return out
 
     def say(self, line: str) -> None:
         """A warning: one line on stderr (held back while deferred)."""

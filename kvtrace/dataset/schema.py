@@ -1,5 +1,6 @@
 """Schemas of the dataset's tables (documented in docs/schema.md). Bump SCHEMA_VERSION on
-any incompatible change; readers refuse other versions with a message naming them."""
+any incompatible change; the reader reads the versions in READABLE and refuses others with a
+message naming them."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,7 +8,10 @@ import pyarrow as pa
 
 from kvtrace.hook.wire import CODEC
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# 1: no server kind in the run row; each kind's /metrics in a table of its own (V1_METRICS_TABLES).
+# kvtrace.analysis.load reads such datasets as it reads version 2 (docs/schema.md, "Datasets of version 1").
+READABLE = (1, 2)
 META_KEY = b"kvtrace"
 
 u32, u64, i32, i64, s = pa.uint32(), pa.uint64(), pa.int32(), pa.int64(), pa.string()
@@ -73,13 +77,9 @@ TABLES: dict[str, pa.Schema] = {
         ("tokens_hash", u64), ("block_size", u32), ("medium", s), ("group_idx", i32), ("spec_kind", s),
         ("lora_id", i64), ("lora_name", s), ("session_id", s), ("replayed", b),
     ]),
-    # vLLM's Prometheus /metrics, vllm:* samples per scrape (kvtrace.servers.metrics).
-    "vllm_metrics": pa.schema([
-        ("ts_ns", u64), ("name", s), ("labels", s), ("value", f64), ("type", s),
-    ]),
-    # SGLang's sglang:* series, as vllm_metrics holds vLLM's
-    "sglang_metrics": pa.schema([
-        ("ts_ns", u64), ("name", s), ("labels", s), ("value", f64), ("type", s),
+    # The traced server's Prometheus /metrics, its kind's samples per scrape (kvtrace.servers.metrics).
+    "server_metrics": pa.schema([
+        ("ts_ns", u64), ("kind", d), ("name", s), ("labels", s), ("value", f64), ("type", s),
     ]),
     # ---- NVMe(-oF), transport and NIC tables (probes nvme/tcp/rdma, kvtrace.fabric) ----
     # One row per NVMe command attempt (sampled under load: weight = commands it stands for).
@@ -206,11 +206,18 @@ TABLES: dict[str, pa.Schema] = {
 
 RUNS = pa.schema([
     ("run", s), ("status", s), ("schema_version", i32), ("kvtrace_version", s), ("kernel", s),
+    ("server_kind", s), ("server_version", s),
     ("start_ns", u64), ("stop_ns", u64), ("clock_offset_ns", i64), ("start_wall", s),
     ("pids", pa.list_(u32)), ("command", s), ("probes_attached", pa.list_(s)),
     ("probes_skipped", s), ("events", s), ("lost_events", s), ("dropped_events", u64),
     ("sidecars", s), ("sinks", s), ("sampling", s), ("kernel_skips", s),
 ])
+
+# Tables of version 1 datasets that version 2 writes no more: each server kind's /metrics
+# samples in a table of its own, in the columns of server_metrics but kind (which the table's
+# name gives).  Table -> the kind (kvtrace.servers.registry) whose samples it holds.
+V1_METRICS_TABLES = {"vllm_metrics": "vllm", "sglang_metrics": "sglang"}
+V1_METRICS = pa.schema([("ts_ns", u64), ("name", s), ("labels", s), ("value", f64), ("type", s)])
 
 
 # The hook's records (kvtrace.hook.wire) as the agent stores them (kvtrace.capture.usermark):

@@ -3,7 +3,8 @@
 A Parquet file without its footer is unreadable, so rows are written as small complete
 part files every flush (``<run>-p000001.parquet``, atomically renamed into place), and a
 clean stop compacts a run's parts into one file per table.  The ``runs`` table, rewritten
-at every flush, carries the run's metadata and exact lost-event counts.
+at every flush, carries the run's metadata and exact lost-event counts, and the kind and
+version of the server traced (``state_server``; null when there is none).
 """
 from __future__ import annotations
 
@@ -123,7 +124,13 @@ class DatasetWriter:
         self.pending: dict[str, list[pa.Table]] = {}
         self.rows: dict[str, int] = {}
         self.parts: dict[str, list[Path]] = {}
+        self.server: dict[str, str | None] = {"server_kind": None, "server_version": None}
         self.check_writable()
+
+    def state_server(self, kind: str | None, version: str | None) -> None:
+        """The traced server's kind (kvtrace.servers.registry name) and version, written in every
+        run row from now on: the one place a dataset says what server it recorded."""
+        self.server = {"server_kind": kind, "server_version": version}
 
     def check_writable(self) -> None:
         check_out_dir(self.root)
@@ -162,6 +169,7 @@ class DatasetWriter:
         self.write_run(run_row)
 
     def write_run(self, run_row: dict) -> None:
+        run_row = {**self.server, **run_row}
         row = {f.name: [run_row.get(f.name)] for f in schema.RUNS}
         table = pa.table(row, schema=schema.RUNS)
         _write(table, self._dir("runs") / f"{self.run}.parquet", self._meta("runs"))

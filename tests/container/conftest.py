@@ -109,5 +109,5 @@ def check_run(ds, ctr) -> dict:
     assert {h["pid"] for h in ds.table("hook_start").to_pylist()} <= set(procs["engine"] + procs["workers"])
     side = {s["name"]: s for s in json.loads(run["sidecars"])}
     assert side["kv_events"]["missing"] == 0 and side["kv_events"]["batches"] > 0
-    assert side["vllm_metrics"]["scrape_errors"] == 0 and side["vllm_metrics"]["scrapes"] >= 2
+    assert side["server_metrics"]["scrape_errors"] == 0 and side["server_metrics"]["scrapes"] >= 2
     return side

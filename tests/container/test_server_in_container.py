@@ -56,7 +56,7 @@ def test_attach_from_the_host(vllm_container, tmp_path):
     evicted = check_evictions(ds, removed_hashes(batches))
     side = check_run(ds, ctr)
     # /metrics as the agent scraped it inside the namespace: its hits grew by the responses' cached tokens
-    hits = [m for m in ds.table("vllm_metrics").to_pylist() if m["name"] == "vllm:prefix_cache_hits_total"]
+    hits = [m for m in ds.table("server_metrics").to_pylist() if m["name"] == "vllm:prefix_cache_hits_total"]
     hits.sort(key=lambda m: m["ts_ns"])
     assert hits[0]["value"] == hits_before
     assert hits[-1]["value"] - hits[0]["value"] == got["cached_tokens"]

@@ -53,13 +53,13 @@ def test_scraped_from_inside_its_namespace(server_in_netns):
     body = netns.call(path, lambda: urllib.request.urlopen(url, timeout=5).read().decode(), timeout=10)
     assert body == METRICS
 
-    scraper = MetricsScraper(url, interval=0.2, netns=path)
+    scraper = MetricsScraper(url, interval=0.2, netns=path, kind="vllm", prefixes=("vllm:",))
     assert scraper.start() == []
     time.sleep(0.7)
     scraper.stop()
     st = scraper.stats()
     assert st["scrape_errors"] == 0 and st["scrapes"] >= 3
-    rows = scraper.drain()["vllm_metrics"].to_pylist()
+    rows = scraper.drain()["server_metrics"].to_pylist()
     assert {(r["name"], r["value"]) for r in rows} == {("vllm:prefix_cache_hits_total", 2304.0)}
     assert len(rows) == st["scrapes"]
 
@@ -68,7 +68,7 @@ def test_a_namespace_that_went_away_is_one_warning(server_in_netns):
     path = netns.foreign(server_in_netns.pid)
     server_in_netns.kill()
     server_in_netns.wait(10)
-    scraper = MetricsScraper("http://127.0.0.1:8000/metrics", interval=10, netns=path)
+    scraper = MetricsScraper("http://127.0.0.1:8000/metrics", interval=10, netns=path, kind="vllm", prefixes=("vllm:",))
     (warning,) = scraper.start()
     scraper.stop(final_scrape=False)
     assert "unreachable" in warning and f"cannot open {path}" in warning and "\n" not in warning

@@ -219,7 +219,7 @@ def test_counters_match_sglang_metrics(live):
     readmit = [a for a in ds.table("admit").to_pylist() if a["attempt"] > 0]
     assert sorted((p["request"], p["num_preemptions"]) for p in pre) == sorted((a["request"], a["attempt"]) for a in readmit)
     # the metrics stream recorded the same counter
-    m = [r for r in ds.table("sglang_metrics").to_pylist() if r["name"] == "sglang:cached_tokens_total"]
+    m = [r for r in ds.table("server_metrics").to_pylist() if r["name"] == "sglang:cached_tokens_total"]
     assert m and max(r["value"] for r in m) >= delta["sglang:cached_tokens_total"]
 
 
@@ -277,7 +277,7 @@ def test_analyze_and_causes_on_sglang(live):
 
 def test_attach_says_sglang(live):
     assert "SGLang streams: kv_events from tcp://127.0.0.1:" in live["log"]
-    assert "sglang_metrics from http://127.0.0.1:" in live["log"]
+    assert "server_metrics from http://127.0.0.1:" in live["log"]
     assert re.search(r"SGLang hook injected in engine \d+", live["log"])
 
 

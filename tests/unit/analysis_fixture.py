@@ -124,12 +124,17 @@ def build(root: Path, *, with_prompts: bool = True, with_arrivals: bool = True) 
                               "tid": WORKER, "comm": "w", "dev_major": 259, "dev_minor": 0, "disk": "nvme0n1", "sector": i,
                               "bytes": 4096, "op": "R", "rwbs": "R", "error": 0, "queue_ns": 10 * us, "device_ns": lat * us - 10 * us,
                               "latency_ns": lat * us} for i, lat in enumerate((100, 200, 300, 400))])
-    write(root, "runs", [{"run": RUN, "status": "complete", "schema_version": schema.SCHEMA_VERSION, "kvtrace_version": "test",
-                          "kernel": "6.18", "start_ns": 0, "stop_ns": 300 * MS, "clock_offset_ns": 0, "start_wall": "",
-                          "pids": [PID, WORKER], "command": "", "probes_attached": ["usermark"], "probes_skipped": "{}",
-                          "events": "{}", "lost_events": "{}", "dropped_events": 0, "sidecars": "[]", "sinks": "[]"}],
-          sch=schema.RUNS).parent
+    write(root, "runs", [run_row()], sch=schema.RUNS)
     return root
+
+
+def run_row(**kw) -> dict:
+    """The fixture's run row (a vLLM server's), with the columns in kw changed."""
+    return {"run": RUN, "status": "complete", "schema_version": schema.SCHEMA_VERSION, "kvtrace_version": "test",
+            "kernel": "6.18", "server_kind": "vllm", "server_version": "0.32.0", "start_ns": 0, "stop_ns": 300 * MS,
+            "clock_offset_ns": 0, "start_wall": "", "pids": [PID, WORKER], "command": "", "probes_attached": ["usermark"],
+            "probes_skipped": "{}", "events": "{}", "lost_events": "{}", "dropped_events": 0, "sidecars": "[]",
+            "sinks": "[]", **kw}
 
 
 def png_pixels(path: Path) -> tuple[int, int, list[bytes]]:

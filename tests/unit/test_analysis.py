@@ -262,6 +262,7 @@ def whatif_ds(root: Path) -> Path:
     fx.write(root, "admit", [fx.admit(i + 1, r, 96, 0) for i, r in enumerate(chains)])
     fx.write(root, "chunk", [fx.chunk(i + 1, r, 0, 96, 96, 0, True) for i, r in enumerate(chains)])
     fx.write(root, "step", [fx.step_row(i + 1, 96, 0) for i in range(4)])
+    fx.write(root, "runs", [fx.run_row()], sch=fx.schema.RUNS)   # a vLLM server's run
     return root
 
 

@@ -117,7 +117,7 @@ def test_a_table_file_of_another_or_no_schema_version_is_refused_by_name(tmp_pat
         Dataset.open(tmp_path)
     meta = {"schema_version": 99, "kvtrace_version": "t", "run": "r1", "table": "file_io"}
     pq.write_table(t.replace_schema_metadata({schema.META_KEY: json.dumps(meta).encode()}), part)
-    with pytest.raises(DatasetError, match=f"^{part} has schema version 99; this kvtrace reads version 1 "
+    with pytest.raises(DatasetError, match=f"^{part} has schema version 99; this kvtrace reads versions 1 and 2 "
                                            r"\(the dataset mixes versions"):
         Dataset.open(tmp_path)
 

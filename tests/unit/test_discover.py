@@ -184,7 +184,7 @@ def test_attach_streams_warn_once_and_go_on(capsys):
     sidecars = start_vllm_streams(_info(100, 1, kv), None, None, None, 0.2)
     try:
         err = capsys.readouterr().err.splitlines()
-        assert [s.name for s in sidecars] == ["kv_events", "vllm_metrics"]
+        assert [s.name for s in sidecars] == ["kv_events", "server_metrics"]
         warnings = [ln for ln in err if ln.startswith("kvtrace: warning:")]
         assert len(warnings) == 2 and "tcp://127.0.0.1:1 unreachable" in warnings[0] and "metrics" in warnings[1]
         assert err[-1].startswith("kvtrace: vLLM streams: kv_events from tcp://127.0.0.1:1")

@@ -175,8 +175,8 @@ def test_query_errors(ds, tmp_path):
         query.run(raw, "evictions_came_back")
     runs = raw / "runs" / "host=h1" / "date=2026-11-30" / "r1.parquet"
     t = pq.read_table(runs)
-    pq.write_table(t.set_column(t.schema.get_field_index("schema_version"), "schema_version", pa.array([2], pa.int32())), runs)
-    with pytest.raises(SystemExit, match=r"schema version \[2\]; these queries read version 1"):
+    pq.write_table(t.set_column(t.schema.get_field_index("schema_version"), "schema_version", pa.array([3], pa.int32())), runs)
+    with pytest.raises(SystemExit, match=r"schema version \[3\]; these queries read versions 1 and 2"):
         query.run(raw, "requests")
     with pytest.raises(SystemExit, match="not a kvtrace dataset"):
         query.run(tmp_path / "nothing", "requests")

@@ -74,7 +74,7 @@ def bad_datasets(good: Path, tmp_path: Path) -> dict[str, tuple[Path, str]]:
     out["missing schema_version"] = (nov, f"{first(nov, 'block_io')} has no kvtrace schema version")
     v99 = copy(good, tmp_path, "v99")
     set_version(first(v99, "step"), 99)  # a table file, not the runs table: summary read it before
-    out["version 99"] = (v99, f"{first(v99, 'step')} has schema version 99; this kvtrace reads version 1")
+    out["version 99"] = (v99, f"{first(v99, 'step')} has schema version 99; this kvtrace reads versions 1 and 2")
     torn = copy(good, tmp_path, "torn")
     for f in (torn).rglob("*.parquet"):
         f.write_bytes(f.read_bytes()[:60])

@@ -46,7 +46,7 @@ def test_parses_the_vllm_sample_without_errors():
 
 def test_rows_keep_vllm_families_and_drop_created():
     p = metrics.parse(sample_text())
-    cols = metrics.rows(p, ts_ns=123)
+    cols = metrics.rows(p, ts_ns=123, kind="vllm", prefixes=("vllm:",))
     names = set(cols["name"])
     assert all(n.startswith("vllm:") for n in names)
     assert not any(n.endswith("_created") for n in names)
@@ -55,7 +55,7 @@ def test_rows_keep_vllm_families_and_drop_created():
                  "vllm:prompt_tokens_by_source_total", "vllm:num_preemptions_total", "vllm:kv_cache_usage_perc"):
         assert want in names
     t = metrics.to_table(cols)
-    assert t.schema == schema.TABLES["vllm_metrics"]
+    assert t.schema == schema.TABLES["server_metrics"]
     assert set(t.column("ts_ns").to_pylist()) == {123}
     i = cols["name"].index("vllm:prompt_tokens_by_source_total")
     assert json.loads(cols["labels"][i]) == {"engine": "0", "model_name": "tinyllama", "source": "local_compute"}
@@ -151,14 +151,14 @@ def test_scraper_records_scrapes_and_final_one(http_server):
     _Handler.body = b"# TYPE vllm:prefix_cache_hits_total counter\nvllm:prefix_cache_hits_total{engine=\"0\"} 5\nother 1\ngarbage{\n"
     _Handler.status = 200
     url = f"http://127.0.0.1:{http_server.server_address[1]}/metrics"
-    s = metrics.MetricsScraper(url, interval=0.05)
+    s = metrics.MetricsScraper(url, interval=0.05, kind="vllm", prefixes=("vllm:",))
     assert s.start() == []
     import time
 
     time.sleep(0.3)
     _Handler.body = b"vllm:prefix_cache_hits_total{engine=\"0\"} 9\n"
     s.stop()
-    t = s.drain()["vllm_metrics"]
+    t = s.drain()["server_metrics"]
     st_ = s.stats()
     assert st_["scrapes"] >= 3 and st_["scrape_errors"] == 0
     assert st_["parse_errors"] >= 1

@@ -67,7 +67,7 @@ def test_vllm_demo_report_matches_its_workload_and_dataset(tmp_path):
     # vLLM's own accounts, recorded beside the hook's: its /metrics counters rose by the report's
     # local and loaded-back tokens, and its KV-event stream removed as many blocks as were evicted
     rises = {}
-    for r in sorted(ds.table("vllm_metrics").to_pylist(), key=lambda r: r["ts_ns"]):
+    for r in sorted(ds.table("server_metrics").to_pylist(), key=lambda r: r["ts_ns"]):
         if r["name"] in ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total"):
             rises.setdefault(r["name"], []).append(r["value"])
     assert rises["vllm:prefix_cache_hits_total"][-1] - rises["vllm:prefix_cache_hits_total"][0] == sum(int(m[4]) for m in rows.values())

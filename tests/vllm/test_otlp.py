@@ -48,7 +48,7 @@ def capture(tmp_path_factory):
     base = tmp_path_factory.mktemp("otlp")
     rx = Receiver().start()
     cfg = {"kv_connector": "KvtraceFileConnector", "kv_role": "kv_both",
-           "kv_connector_module_path": "kvtrace.hook.fileconnector",
+           "kv_connector_module_path": "kvtrace.hook.vllm.fileconnector",
            "kv_connector_extra_config": {"path": str(base / "blocks")}}
     server = VllmServer(args=["--block-size", str(BLOCK), "--enable-prefix-caching", "--max-num-batched-tokens", "256",
                               "--kv-cache-memory-bytes", "8000000", "--num-gpu-blocks-override", "122", "--max-model-len", "2048",

@@ -158,7 +158,7 @@ def test_streams_match_independent_views(server, capsys):
     direct = DirectSubscriber(f"tcp://127.0.0.1:{pub_port}")
     a = kvevents.KvEventSubscriber(endpoint, replay)
     assert a.start() == []
-    scraper = MetricsScraper(info.metrics_url, interval=0.5)
+    scraper = MetricsScraper(info.metrics_url, interval=0.5, kind="vllm", prefixes=("vllm:",))
     assert scraper.start() == []
     time.sleep(1.0)  # both SUB sockets subscribed (ZMQ's slow joiner)
 
@@ -218,9 +218,9 @@ def test_streams_match_independent_views(server, capsys):
     replayed = table.filter(table.column("replayed")).column("seq").to_pylist()
     assert set(range(killed_at + 1, killed_at + missed + 1)) <= set(replayed)
 
-    # --- vllm_metrics vs a direct scrape ------------------------------------------------------------
+    # --- server_metrics vs a direct scrape ------------------------------------------------------------
     scraper.stop()  # takes a last scrape
-    mt = scraper.drain()["vllm_metrics"]
+    mt = scraper.drain()["server_metrics"]
     hits = [r for r in mt.to_pylist() if r["name"] == "vllm:prefix_cache_hits_total"]
     direct_hits = scrape_value(info.metrics_url, "vllm:prefix_cache_hits_total")
     assert hits and hits[-1]["value"] == direct_hits > 0
@@ -264,7 +264,7 @@ def test_attach_port_records_kv_events_and_metrics(server, tmp_path):
     stderr = "".join(head) + rest
     direct.close()
     assert proc.returncode == 0, stderr
-    assert "kv_events from" in stderr and "vllm_metrics from" in stderr
+    assert "kv_events from" in stderr and "server_metrics from" in stderr
     from kvtrace.dataset.reader import Dataset
 
     ds = Dataset.open(out)
@@ -272,14 +272,14 @@ def test_attach_port_records_kv_events_and_metrics(server, tmp_path):
     procs = srv.processes()
     assert sorted(run["pids"]) == sorted(procs["api"] + procs["engine"] + procs["workers"])
     side = {s["name"]: s for s in json.loads(run["sidecars"])}
-    assert side["kv_events"]["missing"] == 0 and side["vllm_metrics"]["scrape_errors"] == 0
+    assert side["kv_events"]["missing"] == 0 and side["server_metrics"]["scrape_errors"] == 0
     kv = ds.table("kv_events")
     seqs = sorted(set(kv.column("seq").to_pylist()))
     assert set(direct.batches) <= set(seqs)
     assert seqs == list(range(seqs[0], seqs[-1] + 1))
     stored = kv.filter(pc.equal(kv.column("event"), "BlockStored")).num_rows
     assert stored >= sum(1 for s in direct.batches for t, hs in direct.batches[s] if t == "BlockStored")
-    names = set(ds.table("vllm_metrics").column("name").to_pylist())
+    names = set(ds.table("server_metrics").column("name").to_pylist())
     assert "vllm:prefix_cache_hits_total" in names and "vllm:kv_cache_usage_perc" in names
 
 
