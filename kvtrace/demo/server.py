@@ -66,7 +66,7 @@ def demo_args(work: str | os.PathLike, kv_events_port: int) -> list[str]:
     ``kv_events_port``, and kvtrace's file connector storing blocks under ``work``/kv-blocks."""
     kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{kv_events_port}"}
     connector = {"kv_connector": "KvtraceFileConnector", "kv_role": "kv_both",
-                 "kv_connector_module_path": "kvtrace.hook.fileconnector",
+                 "kv_connector_module_path": "kvtrace.hook.vllm.fileconnector",
                  "kv_connector_extra_config": {"path": str(Path(work) / "kv-blocks")}}
     return ["--block-size", "32", "--enable-prefix-caching", "--max-num-batched-tokens", "256",
             "--num-gpu-blocks-override", "122", "--max-model-len", "2048", "--enable-prompt-tokens-details",

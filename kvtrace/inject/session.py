@@ -36,7 +36,7 @@ class InjectionSession:
     server: object  # kvtrace.servers.info.ServerInfo
     timeout: float = 10.0
     results: list[Injected] = field(default_factory=list)
-    checked: dict | None = None   # kvtrace.hook.support.check of the server's vLLM
+    checked: dict | None = None   # the kind's support check of the server's source (kvtrace.servers.hooksupport)
     skip: dict = field(default_factory=dict)   # pid -> why it is not injected
 
     def targets(self) -> list[tuple[int, str]]:
@@ -87,7 +87,7 @@ def inject_hook(server, inject: bool, usermark: bool, echo, flag=None, checked: 
     """Inject the vLLM hook for a capture (unless refused or --no-inject); say through ``echo``
     which signals are missing and why.  ``flag``: the capture's AgentFlag, also put where a
     server in its own mount namespace (a container) looks for it.  ``checked``: the hook's
-    verdict on the server's vLLM files (kvtrace.hook.support.check), None when unread."""
+    verdict on the server's source files (kvtrace.servers.hooksupport), None when unread."""
     if server is None:
         return None
     name = engine_label(server)

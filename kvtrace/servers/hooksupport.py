@@ -1,6 +1,7 @@
-"""Whether the hook supports a vLLM (or SGLang) server that discovery found, read from outside: its vLLM
+"""Whether the hook supports a server that discovery found, read from outside: its engine's
 source files, through /proc/PID/root (a container's own filesystem), checked target by target
-(kvtrace.hook.support).  Nothing is imported or injected; about 0.3 s a server.
+by the kind's support check (its descriptor's ``support``: kvtrace.hook.vllm.support.check,
+kvtrace.hook.sglang.support.check).  Nothing is imported or injected; about 0.3 s a server.
 
 The site-packages directory is resolved inside the server's root (kvtrace.host.confined) and
 its source read from that descriptor (/proc/self/fd/N), confined (kvtrace.hook.source): no
@@ -20,7 +21,7 @@ _CACHE: dict[str, dict] = {}
 
 
 def verdict(info) -> dict | None:
-    """kvtrace.hook.support.check of the server's vLLM, or None when its files cannot be read
+    """The server kind's support check of the server's source, or None when its files cannot be read
     (a refusal naming the file when one is unsafe to read)."""
     if not info.site_packages:
         return None
