@@ -10,7 +10,7 @@ COMPAT_RELEASES := 0.28.0 0.30.0 0.31.0 0.32.0
 VLLM ?= $(COMPAT_RELEASES)
 NEWEST := 0.33.0
 
-.PHONY: setup setup-vllm setup-sglang setup-engines demo test unit compat lab bench bench-short engines clean
+.PHONY: setup setup-vllm setup-sglang setup-engines demo test test-long unit compat lab bench bench-short engines clean
 
 setup:
 	bash scripts/setup-host
@@ -28,9 +28,14 @@ setup-sglang: setup
 setup-engines: setup-vllm setup-sglang
 	bash scripts/setup-vllm-source $(NEWEST)
 
-# Every test but the release matrix (`make compat`): what CI runs
+# Every test but the release matrix (`make compat`) and the long ones (`make test-long`): what CI runs
 test: setup-engines
-	$(PY) -m pytest -q -rs -m "not matrix" tests
+	$(PY) -m pytest -q -rs --durations=40 -m "not matrix and not long" tests
+
+# By hand, before a release: the live tests at settings the rest does not use (closed loop under
+# load, a throttled storage tier, a restarted server) and Spark's report against DuckDB's
+test-long: setup-engines
+	$(PY) -m pytest -q -rs -m long tests
 
 # Every release of VLLM through the live acceptance and the plan checks (about 6 minutes a
 # release once its venv is in /var/cache/kvtrace; installing one takes 3 more)

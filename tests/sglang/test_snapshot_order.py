@@ -33,7 +33,7 @@ from tests.helpers import wait_for
 from tests.sglang.test_sglang import Attached, start_server
 from tests.vllm_checks import removed_hashes
 
-pytestmark = pytest.mark.root
+pytestmark = [pytest.mark.root, pytest.mark.long]
 
 REPO = Path(__file__).resolve().parents[2]
 CAP, OTHER = 3000, 4500

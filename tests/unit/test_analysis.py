@@ -300,6 +300,7 @@ def test_whatif_block_size_multiple(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long   # Apache Spark, the second SQL engine: make test-long
 def test_spark_report_equals_duckdb(ds, rep):
     fx.assert_spark_report_equals(ds, rep)
 

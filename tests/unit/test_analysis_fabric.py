@@ -90,5 +90,6 @@ def test_without_nvme_or_nic_tables_the_section_is_empty(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long   # Apache Spark, the second SQL engine: make test-long
 def test_spark_gives_the_same_section(ds, rep):
     fx.assert_spark_report_equals(ds, rep)

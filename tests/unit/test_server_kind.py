@@ -163,6 +163,7 @@ def test_an_unknown_kind_is_one_line_exit_6(tmp_path, where):
 
 
 @pytest.mark.slow   # Spark's start-up takes minutes here
+@pytest.mark.long   # Apache Spark, the second SQL engine: make test-long
 def test_spark_reads_server_metrics_as_duckdb(tmp_path):
     """The samples load builds are given to Spark as to DuckDB (engine.load), to the same figures."""
     root = fx.build(tmp_path / "ds")

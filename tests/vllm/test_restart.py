@@ -25,7 +25,7 @@ from kvtrace.servers import registry
 VLLM_HOOK = registry.kind("vllm").hook_module
 from tests.vllm.conftest import SERVER_ARGS, free_port, vllm_skip_reason
 
-pytestmark = pytest.mark.root
+pytestmark = [pytest.mark.root, pytest.mark.long]
 
 
 # The hook finds its agent through a flag file; a private one keeps other kvtrace agents on

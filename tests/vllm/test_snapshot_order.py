@@ -36,7 +36,7 @@ from tests.vllm.conftest import KvEventSink, free_port, vllm_skip_reason
 from tests.vllm.test_inject import Agent
 from tests.vllm_checks import events, removed_hashes
 
-pytestmark = pytest.mark.root
+pytestmark = [pytest.mark.root, pytest.mark.long]
 
 REPO = Path(__file__).resolve().parents[2]
 BS, CAP, OTHER = 32, 130, 180

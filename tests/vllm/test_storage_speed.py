@@ -30,7 +30,7 @@ from kvtrace.demo.server import VllmServer
 from tests.vllm.conftest import free_port, vllm_skip_reason
 from tests.vllm.test_inject import Agent
 
-pytestmark = pytest.mark.root
+pytestmark = [pytest.mark.root, pytest.mark.long]
 
 SLOW, FAST = 4 << 20, 12 << 20          # bytes/s
 CONCURRENCY = 4   # requests in flight: loads back to back, so the throttle's rate is the device's speed
