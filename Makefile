@@ -1,6 +1,6 @@
 # The two commands README.md gives (run as root on a fresh machine):
 #   sudo make demo   - set up, start a real tiny vLLM, attach, drive a workload, report
-#   sudo make test   - set up, then run every test (privileged ones included)
+#   sudo make test   - set up, then run the tests (privileged ones included; not the matrix or the long ones)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The vLLM releases the hook is proven on, each with a live server (tests/vllm/test_compat.py,

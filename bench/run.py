@@ -1,7 +1,7 @@
 """Run every benchmark and write a results table (bench/results/results.{md,json}).
 
     sudo .venv/bin/python bench/run.py           # full mode, by hand (also overhead.py --model small)
-    sudo .venv/bin/python bench/run.py --short   # CI: short runs, so the suite cannot rot
+    sudo .venv/bin/python bench/run.py --short   # make bench-short: short runs, so the benchmarks cannot rot
 
 Benchmarks report ratios and rates measured side by side in one run; nothing here
 asserts a speed.
