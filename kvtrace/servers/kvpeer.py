@@ -22,7 +22,7 @@ import time
 
 import psutil
 
-from kvtrace.servers.procfs import _hex_addr, _socket_inodes
+from kvtrace.servers.procfs import _hex_addr, _socket_inodes, tcp_rows
 
 LISTEN = "0A"
 _ROOTED = re.compile(r"^(/proc/\d+/root)(/.*)$")
@@ -107,16 +107,8 @@ def norm(addr) -> tuple[str, int]:
 
 def tcp_table():
     """(local, remote, state, inode) of every TCP socket in the calling thread's network namespace."""
-    for table in ("tcp", "tcp6"):
-        try:
-            with open(f"/proc/thread-self/net/{table}") as f:
-                lines = f.readlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            c = line.split()
-            if len(c) > 9:
-                yield _hex_addr(c[1]), _hex_addr(c[2]), c[3], c[9]
+    for c in tcp_rows("/proc/thread-self/net"):
+        yield _hex_addr(c[1]), _hex_addr(c[2]), c[3], c[9]
 
 
 def check_inbound(conn: socket.socket, procs: ServerProcs, since: float) -> None:

@@ -107,21 +107,25 @@ def _socket_inodes(pid: int) -> set[str]:
     return out
 
 
-def listening(pid: int) -> list[tuple[str, int]]:
-    """TCP sockets this process listens on, read in its own network namespace (/proc/PID/net)."""
-    inodes = _socket_inodes(pid)
-    out = []
+def tcp_rows(net: str):
+    """The columns of every TCP socket's line in ``net``/tcp and ``net``/tcp6 (a /proc/.../net
+    directory: the network namespace of the process or thread it belongs to)."""
     for table in ("tcp", "tcp6"):
         try:
-            with open(f"/proc/{pid}/net/{table}") as f:
+            with open(f"{net}/{table}") as f:
                 lines = f.readlines()[1:]
         except OSError:
             continue
         for line in lines:
             cols = line.split()
-            if len(cols) > 9 and cols[3] == "0A" and cols[9] in inodes:   # 0A: TCP_LISTEN
-                out.append(_hex_addr(cols[1]))
-    return out
+            if len(cols) > 9:
+                yield cols
+
+
+def listening(pid: int) -> list[tuple[str, int]]:
+    """TCP sockets this process listens on, read in its own network namespace (/proc/PID/net)."""
+    inodes = _socket_inodes(pid)
+    return [_hex_addr(c[1]) for c in tcp_rows(f"/proc/{pid}/net") if c[3] == "0A" and c[9] in inodes]   # 0A: LISTEN
 
 
 def _port(proc: psutil.Process, cmdline: list[str], excluded: set[int], default: int) -> tuple[str | None, int | None]:

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from kvtrace.servers import discover as d
-from kvtrace.servers import info, pyenv
+from kvtrace.servers import info, pyenv, registry
 from kvtrace.servers.vllm import discover as vd
 
 
@@ -129,9 +129,10 @@ def test_discovers_the_stand_in_server(stand_in_server):
     assert s.kv_events.enabled and s.kv_events.endpoint == "tcp://*:5699"
     assert s.metrics_url == f"http://127.0.0.1:{port}/metrics"
     assert s.pids == [proc.pid, *engine, *worker]
-    # the children are never reported as servers of their own, nor is anything else non-vLLM
+    # the children are never reported as servers of their own, nor is anything that its kind
+    # does not recognise (another test's SGLang server may be running: it is SGLang's)
     for other in d.discover():
-        assert vd.server_kind(psutil.Process(other.pid).cmdline()) is not None
+        assert registry.kind(other.kind).recognise(psutil.Process(other.pid).cmdline()) is not None
         assert other.pid not in engine + worker
 
 
