@@ -20,7 +20,7 @@ MAX_FRAME = 4000  # bytes per marker write, magic included (the BPF side copies 
 
 # type id -> (record name, [(field, code)]).  Append new types; never renumber.
 RECORDS: dict[int, tuple[str, list[tuple[str, str]]]] = {
-    1: ("hook_start", [("t_ns", "Q"), ("role", "s"), ("version", "s"), ("hook_version", "s")]),
+    1: ("hook_start", [("t_ns", "Q"), ("role", "s"), ("vllm_version", "s"), ("hook_version", "s")]),
     2: ("hook_stats", [("t_ns", "Q"), ("emitted", "Q"), ("dropped", "Q"), ("errors", "Q"), ("last_error", "s")]),
     # EngineCore (kvtrace.hook.vllm.hook; docs/hook.md).  `step` is vLLM's Scheduler.current_step.
     # One per engine step: schedule() start, schedule() return, update_from_output() end.

@@ -295,7 +295,7 @@ def test_hits_chunks_and_evictions_of_extend_and_decode_allocations(received):
     got = received()
 
     assert [r["name"] for r in got["engine"]] == ["sglang"] and got["engine"][0]["block_size"] == 1
-    assert rows(got, "hook_start", "role", "version") == [("engine", "0.5.23")]
+    assert rows(got, "hook_start", "role", "vllm_version") == [("engine", "0.5.23")]
     assert rows(got, "cached", "step", "served", "total") == [(1, 0, 0)]   # the tree had evicted nothing
     ha, hb, hc = chain(a.origin_input_ids), chain(b.origin_input_ids, "s1"), chain(c.origin_input_ids)
     assert rows(got, "admit", *ADMIT) == [(1, "A", 0, 6, 6, 4, 0, 4, 4, ha[3], 0),

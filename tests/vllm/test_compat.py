@@ -156,7 +156,7 @@ def test_live_injection_against_the_release(release, tmp_path):
         run = ds.runs()[-1]
         assert sum(run["lost_events"].values()) == 0 and run["dropped_events"] == 0, run
         engine, worker = server.processes()["engine"][0], server.processes()["workers"][0]
-        starts = {h["role"]: h["version"] for h in ds.table("hook_start").to_pylist()}
+        starts = {h["role"]: h["vllm_version"] for h in ds.table("hook_start").to_pylist()}
         assert starts == {"engine": release, "worker": release}, starts
         assert all(s["errors"] == 0 and s["dropped"] == 0 for s in ds.table("hook_stats").to_pylist())
 

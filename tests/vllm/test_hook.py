@@ -197,7 +197,7 @@ def test_records_match_vllm(hooked_server, tmp_path):
 
     # -- hook health ------------------------------------------------------------------------
     starts = rows(ds, "hook_start", engine)
-    assert [s["role"] for s in starts] == ["engine"] and starts[0]["version"].startswith("0.32")
+    assert [s["role"] for s in starts] == ["engine"] and starts[0]["vllm_version"].startswith("0.32")
     stats = rows(ds, "hook_stats", engine)
     assert stats and stats[-1]["errors"] == 0 and stats[-1]["dropped"] == 0, stats[-1:]
 
