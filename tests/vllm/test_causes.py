@@ -139,6 +139,14 @@ def stream_chains(batches, prompts: dict[str, list[int]], nth: dict[str, int] | 
     return chains, order
 
 
+def quiet(events, still_s: float = 0.5) -> None:
+    """Until no KV-event batch has arrived for ``still_s`` (the publisher sends after the step)."""
+    def settled() -> bool:
+        last = events.batches[-1][0] if events.batches else 0
+        return time.monotonic_ns() - last > still_s * 1e9
+    wait_for(settled, 30, "the KV-event stream to settle")
+
+
 def present_at(order, t_ns: int) -> set[int]:
     have: set[int] = set()
     for recv, kind, hs in order:
@@ -184,6 +192,7 @@ def run(server, tmp_path_factory):
                 sent[f"F{i}"] = post(srv, prompts[f"F{i}"], f"F{i}")
             time.sleep(0.5)
             t_sent["A2"], sent["A2"] = time.monotonic_ns(), post(srv, A, "A2")
+            quiet(events)   # A2's stores reach the sink after its response: L comes after them
             t_sent["L"], sent["L"] = time.monotonic_ns(), post(srv, A, "L", prompt_logprobs=1)
             burst = {f"B{i}": (tok(N), {"max_tokens": 1000, "ignore_eos": True}) for i in range(3)}
             sent.update(together(srv, burst))
