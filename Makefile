@@ -10,7 +10,7 @@ COMPAT_RELEASES := 0.28.0 0.30.0 0.31.0 0.32.0
 VLLM ?= $(COMPAT_RELEASES)
 NEWEST := 0.33.0
 
-.PHONY: setup setup-vllm setup-sglang setup-engines demo test test-long unit compat lab bench bench-short engines clean
+.PHONY: setup setup-vllm setup-sglang setup-lmcache setup-engines demo test test-long unit compat lab bench bench-short engines clean
 
 setup:
 	bash scripts/setup-host
@@ -25,7 +25,11 @@ demo: setup-vllm
 setup-sglang: setup
 	bash scripts/setup-sglang
 
-setup-engines: setup-vllm setup-sglang
+# LMCache 0.5.6 multiprocess mode (tests/lmcache): a venv beside vLLM's that sees its packages (seconds)
+setup-lmcache: setup-vllm
+	bash scripts/setup-lmcache
+
+setup-engines: setup-vllm setup-sglang setup-lmcache
 	bash scripts/setup-vllm-source $(NEWEST)
 
 # Every test but the release matrix (`make compat`) and the long ones (`make test-long`): what CI runs

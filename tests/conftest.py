@@ -1,6 +1,6 @@
 """Shared test setup: the `root` marker skips with a stated reason where capture cannot run; the
-tests of tests/vllm, tests/sglang, tests/container and tests/lab carry their resource's marker
-and `slow` (pyproject.toml lists the markers; `make unit` runs what is not slow)."""
+tests of tests/vllm, tests/sglang, tests/lmcache, tests/container and tests/lab carry their
+resource's marker and `slow` (pyproject.toml lists the markers; `make unit` runs what is not slow)."""
 from __future__ import annotations
 
 import os
@@ -28,7 +28,7 @@ def _root_skip_reason() -> str | None:
 
 
 # Every test in these directories needs the resource of the same name and takes minutes.
-RESOURCE_DIRS = {"vllm": "vllm", "sglang": "sglang", "container": "container", "lab": "lab"}
+RESOURCE_DIRS = {"vllm": "vllm", "sglang": "sglang", "lmcache": "lmcache", "container": "container", "lab": "lab"}
 
 
 def pytest_collection_modifyitems(config, items):

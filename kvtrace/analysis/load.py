@@ -80,8 +80,20 @@ COLUMNS: dict[str, list[tuple[str, str, str]]] = {
     "server_metrics": [("kind", "kind", "S"), ("ts_ns", "ts_ns", "I"), ("name", "name", "S"),
                        ("labels", "labels", "S"), ("value", "value", "F")],
     "engine": [("pid", "pid", "I"), ("name", "name", "S"), ("version", "version", "S"), ("block_size", "block_size", "I")],
+    # a KV connector as the scheduler sees it (kvtrace.analysis.connector)
+    "kv_alloc": [("pid", "pid", "I"), ("step", "step", "I"), ("t_ns", "t_ns", "I"), ("request", "request", "S"),
+                 ("first", "tok_first", "I"), ("external", "ext_tokens", "I"), ("blocks", "blocks", "I"),
+                 ("nbytes", "nbytes", "I"), ("async", "is_async", "I"), ("connector", "connector", "S")],
+    "kv_done": [("pid", "pid", "I"), ("step", "step", "I"), ("t_ns", "t_ns", "I"), ("request", "request", "S"),
+                ("direction", "direction", "S"), ("ok", "ok", "I"), ("connector", "connector", "S")],
+    "kv_finish": [("pid", "pid", "I"), ("step", "step", "I"), ("t_ns", "t_ns", "I"), ("request", "request", "S"),
+                  ("blocks", "blocks", "I"), ("nbytes", "nbytes", "I"), ("delay_free", "delay_free", "I"),
+                  ("connector", "connector", "S")],
+    "kv_invalid": [("pid", "pid", "I"), ("step", "step", "I"), ("t_ns", "t_ns", "I"), ("request", "request", "S"),
+                   ("blocks", "blocks", "I"), ("connector", "connector", "S")],
 }
-HOOK_TABLES = ("step", "chunk", "admit", "evict", "preempt", "kv_load", "kv_store", "arrive", "finish", "prompt_blocks")
+HOOK_TABLES = ("step", "chunk", "admit", "evict", "preempt", "kv_load", "kv_store", "arrive", "finish", "prompt_blocks",
+               "kv_alloc", "kv_done", "kv_finish", "kv_invalid")
 # Without these there is nothing of vLLM to analyse.
 REQUIRED = ("step", "chunk", "admit")
 

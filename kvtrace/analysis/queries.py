@@ -8,6 +8,8 @@ multi-row result, no engine-specific functions except regexp_extract (same in bo
 """
 from __future__ import annotations
 
+from kvtrace.analysis import connector
+
 READS = "('read', 'pread64', 'readv', 'preadv', 'preadv2')"
 STORAGE_PATH = ("path LIKE '/%' AND NOT (path LIKE '/proc/%' OR path LIKE '/sys/%' OR "
                 "(path LIKE '/dev/%' AND NOT (path LIKE '/dev/nvme%' OR path LIKE '/dev/sd%' OR path LIKE '/dev/vd%' "
@@ -34,7 +36,8 @@ LAZY = {"fread"}
 
 def views(default_block_size: int = 0) -> list[tuple[str, str]]:
     """(name, SELECT) in creation order."""
-    return [*_record_views(), *_block_size_views(default_block_size), *_timing_views(), *_reuse_views()]
+    return [*_record_views(), *_block_size_views(default_block_size), *_timing_views(), *_reuse_views(),
+            *connector.VIEWS]
 
 
 def _record_views() -> list[tuple[str, str]]:
@@ -386,4 +389,6 @@ FIGURES: dict[str, str] = {
         SELECT kind, name, SUM(rise) AS rise, SUM(scrapes) AS scrapes FROM (
           SELECT run, kind, name, MAX(v) - MIN(v) AS rise, COUNT(*) AS scrapes FROM m GROUP BY run, kind, name) t
         GROUP BY kind, name ORDER BY COALESCE(kind, ''), name""",
+    # ---- the KV connector as the scheduler sees it, and vLLM's hit counters against kvtrace's ----
+    **connector.FIGURES,
 }

@@ -10,7 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kvtrace.analysis import load, queries
+from kvtrace.analysis import connector, load, queries
 from kvtrace.analysis.engine import make
 from kvtrace.errors import DatasetError
 from kvtrace.servers import registry
@@ -155,9 +155,15 @@ def build(rows: dict[str, list[dict]], inp: load.Inputs) -> dict:
     rep["reload_vs_recompute"] = _reload_vs_recompute(rows, one)
     rep["prefetch"] = _prefetch(rows, one, gaps)
     rep["storage"] = _storage(rows)
+    conn = connector.section(rows)
+    if conn is not None:    # only a dataset with connector records has the section
+        rep["connector"] = conn
     rep["service"] = _service(rows, one, pt, gaps)
     rep["metrics"] = metrics_note(rows["metrics"], reuse)
     rep["verdict"] = verdict(rep)
+    warnings = connector.hit_warnings(rows, reuse)
+    if warnings:            # only when a count differs (datasets without any keep their report)
+        rep["warnings"] = warnings
     rep["headline"] = headline(rep, kinds)
     return _normalised(rep)
 
@@ -166,8 +172,11 @@ def _normalised(rep: dict) -> dict:
     """``rep`` through _norm, but for the long per-row lists: they hold integers and text from SQL
     (ratios rounded where they are made) and are kept as they are."""
     big = {"per_request": rep["reuse"].pop("per_request"), "per_chunk": rep["timing"].pop("per_chunk"),
-           "ttft_per_request": rep["service"].pop("ttft_per_request"), "miss_requests": rep["misses"].pop("per_request")}
+           "ttft_per_request": rep["service"].pop("ttft_per_request"), "miss_requests": rep["misses"].pop("per_request"),
+           "loads": rep["connector"].pop("per_request") if "connector" in rep else None}
     rep = _norm(rep)
+    if big["loads"] is not None:
+        rep["connector"]["per_request"] = big["loads"]
     rep["reuse"]["per_request"] = big["per_request"]
     rep["misses"]["per_request"] = big["miss_requests"]
     rep["timing"]["per_chunk"] = big["per_chunk"]
@@ -456,7 +465,8 @@ def _vllm_metrics_note(m: dict, reuse: dict) -> dict:
         why.append(f"/metrics hits {hits:,.0f} vs the hook's first-admission local hits {reuse['hit_local']:,}")
     if reuse["hit_external"] or ext:
         why.append("vllm:prefix_cache_hits counts the local prefix cache only; connector (storage) hits are in "
-                   f"vllm:external_prefix_cache_hits ({ext:,.0f}), which kvtrace's rate includes")
+                   f"vllm:external_prefix_cache_hits ({ext:,.0f}), which kvtrace's rate includes as its own count of "
+                   f"them ({reuse['hit_external']:,} at first admissions)")
     why.append("re-admissions after preemption are in neither figure (vLLM keeps them in stats it does not export)")
     return {"available": True, "rises": m, "local_hit_rate": rate,
             "combined_hit_rate": _ratio((hits or 0) + ext, queries_ or 0), "why_different": why}
@@ -520,6 +530,7 @@ def headline(rep: dict, kinds: list) -> list[str]:
     if r["hit_rate"] is not None:
         out.append(f"KV reuse: {100 * r['hit_rate']:.2f}% of {r['prompt_tokens']:,} prompt tokens hit at admission "
                    f"({100 * (r['local_rate'] or 0):.2f}% local prefix cache, {100 * (r['external_rate'] or 0):.2f}% storage)")
+    out += connector.lines(rep.get("connector")) + rep.get("warnings", [])
     m = rep["misses"]
     if m["tokens"]:
         top = sorted(((v, k) for k, v in m["first"].items() if k.startswith("miss_") and v), reverse=True)

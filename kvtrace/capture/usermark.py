@@ -72,7 +72,7 @@ def records(raw: list[bytes], ctx: DecodeContext | None = None) -> dict[str, lis
                     row.update(mark_ns=ts, pid=pid, tid=tid)
                     rows.append(row)
                 continue
-            if name == "kv_step":  # a Worker step: its kv_load and kv_store rows
+            if name in ("kv_step", "kv_step2"):  # a Worker step: its kv_load and kv_store rows
                 for rname, row in kv_step_rows(rec):
                     row.update(mark_ns=ts, pid=pid, tid=tid)
                     out.setdefault(rname, []).append(row)

@@ -109,6 +109,32 @@ RECORDS: dict[int, tuple[str, list[tuple[str, str]]]] = {
     # After each hook_start: the serving engine the hook is in ("vllm", "sglang"), its version, and
     # its KV cache's tokens per block (SGLang's page size; 0: as prompt_blocks says).
     20: ("engine", [("t_ns", "Q"), ("name", "s"), ("version", "s"), ("block_size", "I")]),
+    # Any KV connector, as the scheduler that drives it sees it (kvtrace.hook.vllm.connector;
+    # `connector` is its class name).  An admission granted with tokens to load from the connector:
+    # `first` = the first of them (the local hit before them), `external` tokens into `blocks`
+    # KV blocks of `nbytes` (each block counted at its group's bytes per block); `async`: the
+    # request waits for the load (done at its kv_done), else the load runs in this step.
+    21: ("kv_alloc", [("step", "Q"), ("t_ns", "Q"), ("request", "s"), ("first", "I"), ("external", "I"),
+                      ("blocks", "I"), ("nbytes", "Q"), ("async", "B"), ("connector", "s")]),
+    # An asynchronous transfer the workers reported finished this step: direction "load"
+    # (finished receiving; ok 0 when it failed) or "store" (finished sending or saving).
+    22: ("kv_done", [("step", "Q"), ("t_ns", "Q"), ("request", "s"), ("direction", "s"), ("ok", "B"),
+                     ("connector", "s")]),
+    # A request's end as the connector was told it: the blocks of its computed tokens handed to it
+    # (what it may store or send) and their bytes; delay_free: it keeps them while it stores or
+    # sends them asynchronously (until a kv_done "store").
+    23: ("kv_finish", [("step", "Q"), ("t_ns", "Q"), ("request", "s"), ("blocks", "I"), ("nbytes", "Q"),
+                       ("delay_free", "B"), ("connector", "s")]),
+    # Blocks of a request's load that the workers reported failed to load (request empty: blocks
+    # of no load the hook saw); vLLM recomputes them.
+    24: ("kv_invalid", [("step", "Q"), ("t_ns", "Q"), ("request", "s"), ("blocks", "I"), ("connector", "s")]),
+    # A Worker step of a KV connector (hook version 6 sends this instead of kv_step): kv_step's
+    # fields and the connector's save_kv_layer calls (per layer, during the forward): how many,
+    # their time inside, the first's start.  Stored as kv_load and kv_store rows (kv_step_rows).
+    25: ("kv_step2", [("load_start_ns", "Q"), ("load_end_ns", "Q"), ("load_issue_end_ns", "Q"), ("seq", "Q"),
+                      ("layer_waits", "I"), ("wait_ns", "Q"), ("save_start_ns", "Q"), ("save_end_ns", "Q"),
+                      ("loaded", "B"), ("source", "s"), ("save_layers", "I"), ("save_layer_ns", "Q"),
+                      ("save_first_ns", "Q")]),
 }
 
 EVICTS_MAX = 200  # evictions per `evicts` record (3,200 bytes of blocks: one record fits a frame)
@@ -124,8 +150,10 @@ def evict_rows(rec: dict) -> list[dict]:
 
 
 def kv_step_rows(rec: dict) -> list[tuple[str, dict]]:
-    """The kv_load (when the step loaded) and kv_store rows of one `kv_step` record, as the
-    hook sent them one by one before version 4."""
+    """The kv_load (when the step loaded) and kv_store rows of one `kv_step` or `kv_step2`
+    record, as the hook sent them one by one before version 4.  With save_kv_layer calls
+    (kv_step2), the store starts at the first of them and its layer_waits / wait_ns are their
+    count and time inside."""
     seq, source = rec["seq"], rec["source"]
     rows = []
     if rec["loaded"]:
@@ -133,8 +161,11 @@ def kv_step_rows(rec: dict) -> list[tuple[str, dict]]:
                                  "t_issue_end_ns": rec["load_issue_end_ns"], "seq": seq,
                                  "layer_waits": rec["layer_waits"], "wait_ns": rec["wait_ns"], "blocks": 0,
                                  "nbytes": 0, "request": "", "source": source}))
-    rows.append(("kv_store", {"t_start_ns": rec["save_start_ns"], "t_end_ns": rec["save_end_ns"],
-                              "t_issue_end_ns": rec["save_end_ns"], "seq": seq, "layer_waits": 0, "wait_ns": 0,
+    layers = rec.get("save_layers", 0)
+    start = min(rec["save_first_ns"], rec["save_start_ns"]) if layers else rec["save_start_ns"]
+    rows.append(("kv_store", {"t_start_ns": start, "t_end_ns": rec["save_end_ns"],
+                              "t_issue_end_ns": rec["save_end_ns"], "seq": seq, "layer_waits": layers,
+                              "wait_ns": rec.get("save_layer_ns", 0) if layers else 0,
                               "blocks": 0, "nbytes": 0, "request": "", "source": source}))
     return rows
 

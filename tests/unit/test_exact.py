@@ -148,7 +148,7 @@ def test_the_inlined_allocate_restores_the_allocating_request_and_counts_its_own
 
     class Manager:
         def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None,
-                           num_external_computed_tokens=0):
+                           num_external_computed_tokens=0, delay_cache_blocks=False):
             if num_new_tokens < 0:
                 raise RuntimeError("vLLM's own error")
             return None if num_new_tokens > 100 else (hook.S.cur_req, num_new_tokens)

@@ -20,7 +20,7 @@ from .. import state
 from ..state import (FLUSH_EVERY_NS, FLUSH_RECORDS, MAX_TRACKED, _enqueue, _flush, _hook_start, _leave_if_owner_gone,
                      _monotonic_ns, _new_agent, _refresh)
 from ..wire import EVICTS_MAX, PROMPT_PIECE
-from . import releases
+from . import connector, releases
 
 # The shared state's objects are bound here by assignment, not by `from ..state import`: CPython
 # 3.11+ compiles `T.error(e)` on an imported name as an attribute load that makes a bound method
@@ -117,10 +117,16 @@ def _engine_on(sched) -> None:
     _hook_start("engine", "vllm", releases.version())
     if S.rec:
         _snapshot(sched)
+        try:
+            connector.start(sched)
+        except Exception as e:
+            connector.C.reset()
+            T.error(e)
 
 
 def _engine_off() -> None:
     S.reset()
+    connector.C.reset()
     with _LOCK:
         _Q.clear()
     _leave_if_owner_gone()
@@ -399,11 +405,13 @@ def _preempt_post(self, t, out) -> None:
         T.error(e)
 
 
-ALLOC_PARAMS = ("request", "num_new_computed_tokens", "new_computed_blocks", "num_external_computed_tokens")
+ALLOC_PARAMS = ("request", "num_new_computed_tokens", "new_computed_blocks", "num_external_computed_tokens",
+                "delay_cache_blocks")
 
 # KVCacheManager.allocate_slots, once per running request and step: the request allocating (its
 # evictions and a preemption are its doing) and, at an admission, the prefix-cache hit that
-# comes with it; a None result is an allocation failure.  Allocations do not nest in vLLM 0.32;
+# comes with it; a None result is an allocation failure.  An admission granted with external
+# tokens (the connector's hit) is a load: kvtrace.hook.vllm.connector.note_alloc.  Allocations do not nest in vLLM 0.32;
 # the request allocating before is restored after.  Written into the wrapper (kvtrace.hook.exact
 # inline): a pre and a post function cost more than the work.
 ALLOCATE_BODY = """\
@@ -423,11 +431,22 @@ finally:
     _kv_s.cur_req = _kv_prev
 if _kv_r is None:
     _kv_s.alloc_failures += 1
+elif num_external_computed_tokens and new_computed_blocks is not None:
+    try:
+        _kv_ext_alloc(self, _kv_s.step, request, num_new_computed_tokens, num_external_computed_tokens,
+                      delay_cache_blocks)
+    except Exception as _kv_e:
+        _kv_error(_kv_e)
 return _kv_r
 """
 
 
 def _note_admission_alloc(request, local, blocks, external) -> None:
+    """The hit of an admission's allocation.  A request whose connector loaded its KV
+    asynchronously is allocated twice: with its hit while the load runs, then, loaded (its
+    computed tokens set), with nothing new: the first allocation's hit stands."""
+    if not local and not external and request.num_computed_tokens and request.request_id in S.alloc:
+        return
     hit, last = 0, 0
     groups = getattr(blocks, "blocks", None)
     if groups:

@@ -37,14 +37,17 @@ ENGINE_METHODS = (
     Method(SCHED, "Scheduler", "_preempt_request", ("self", "request")),
     Method(KVM, "KVCacheManager", "allocate_slots",
            ("self", "request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks"),
-           reads=("num_external_computed_tokens",)),   # the external hit at admission
+           reads=("num_external_computed_tokens", "delay_cache_blocks")),   # the external hit at admission
+    # the connector's transfers as the scheduler sees them (kvtrace.hook.vllm.connector)
+    Method(SCHED, "Scheduler", "_update_from_kv_xfer_finished", ("self", "kv_connector_output")),
+    Method(SCHED, "Scheduler", "_connector_finished", ("self", "request")),
     Method(POOL, "BlockPool", "_maybe_evict_cached_block", ("self", "block")),
 )
 
 ENGINE_READS = (
-    Attrs(KVM, "KVCacheManager", ("block_pool",)),
+    Attrs(KVM, "KVCacheManager", ("block_pool", "get_block_ids")),   # (get_block_ids_for_computed_tokens: 0.21+, read if there)
     Attrs(SCHED, "Scheduler", ("requests", "running", "waiting", "kv_cache_manager", "block_size",
-                               "has_unfinished_requests", "cache_config")),
+                               "has_unfinished_requests", "cache_config", "connector", "kv_cache_config")),
     Attrs(REQUEST, "Request", ("request_id", "num_computed_tokens", "num_preemptions", "num_tokens",
                                "num_prompt_tokens", "block_hashes", "arrival_time", "trace_headers", "max_tokens",
                                "prompt_token_ids", "skip_reading_prefix_cache", "lora_request", "cache_salt",
@@ -53,6 +56,11 @@ ENGINE_READS = (
     Attrs("vllm.config", "CacheConfig", ("prefix_caching_hash_algo",)),
     Attrs(UTILS, "KVCacheBlock", ("block_hash", "block_id")),
     Fields(KVM, "KVCacheBlocks", ("blocks",)),
+    Fields("vllm.v1.outputs", "KVConnectorOutput", ("finished_sending", "finished_recving", "invalid_block_ids")),
+    Fields(IFACE, "KVCacheConfig", ("kv_cache_groups",)),
+    Fields(IFACE, "KVCacheGroupSpec", ("layer_names", "kv_cache_spec")),
+    Attrs(IFACE, "KVCacheSpec", ("block_size", "page_size_bytes")),
+    Attrs(POOL, "BlockPool", ("null_block",)),
     Fields(OUTPUT, "SchedulerOutput", ("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens",
                                        "total_num_scheduled_tokens", "preempted_req_ids", "finished_req_ids")),
     Fields(OUTPUT, "CachedRequestData", ("resumed_req_ids",)),
@@ -73,6 +81,8 @@ CONNECTOR_API = (
     Method(BASE, "KVConnectorBase_V1", "bind_connector_metadata", ("self", "connector_metadata"), plain=False),
     Method(BASE, "KVConnectorBase_V1", "start_load_kv", ("self", "forward_context"), plain=False),
     Method(BASE, "KVConnectorBase_V1", "wait_for_layer_load", ("self", "layer_name"), plain=False),
+    Method(BASE, "KVConnectorBase_V1", "save_kv_layer", ("self", "layer_name", "kv_layer", "attn_metadata"),
+           plain=False),
     Method(BASE, "KVConnectorBase_V1", "wait_for_save", ("self",), plain=False),
 )
 WORKER_METHODS = (
@@ -88,7 +98,7 @@ WORKER_READS = CONNECTOR_API + (
     Calls("vllm.v1.worker.gpu.kv_connector", "ActiveKVConnector",
           ("bind_connector_metadata", "start_load_kv", "wait_for_save"), optional=True),
     Calls("vllm.model_executor.layers.attention.kv_transfer_utils", "maybe_transfer_kv_layer",
-          ("wait_for_layer_load",)),
+          ("wait_for_layer_load", "save_kv_layer")),
     Strings("vllm.v1.executor.multiproc_executor", ("VllmWorker-",)),
 )
 
@@ -108,8 +118,6 @@ FILE_CONNECTOR = (
     Method(BASE, "KVConnectorBase_V1", "build_connector_meta", ("self", "scheduler_output"), plain=False),
     Method(BASE, "KVConnectorBase_V1", "request_finished", ("self", "request", "block_ids"), plain=False),
     Method(BASE, "KVConnectorBase_V1", "register_kv_caches", ("self", "kv_caches"), plain=False),
-    Method(BASE, "KVConnectorBase_V1", "save_kv_layer", ("self", "layer_name", "kv_layer", "attn_metadata"),
-           plain=False),
     Method(BASE, "KVConnectorBase_V1", "get_block_ids_with_load_errors", ("self",), plain=False),
 ) + CONNECTOR_API + (
     Attrs("vllm.config", "KVTransferConfig", ("get_from_extra_config", "is_kv_consumer", "is_kv_producer",

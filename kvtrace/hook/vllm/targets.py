@@ -17,12 +17,12 @@ from ..exact import exact, inline, why_not, wrapper
 from ..patch import _patch, _signature_differs
 from ..source import SourceTree
 from ..state import _monotonic_ns
-from . import engine, needs, releases, worker
+from . import connector, engine, needs, releases, worker
 from .engine import (ALLOC_PARAMS, ALLOCATE_BODY, EVICT_BODY, EVICT_BODY_ONE_HASH, _note_admission_alloc, _note_evict,
                      _preempt_post, _preempt_pre, _schedule_post, _schedule_pre, _schedule_pre_counting, _update_post,
                      _update_pre)
-from .worker import (LAYER_BODY, LOAD_BODY, SAVE_BODY, _bind_pre, _layer_done, _load_done, _save_done, _save_end,
-                     _timed_pre)
+from .worker import (LAYER_BODY, LOAD_BODY, SAVE_BODY, SAVE_LAYER_BODY, _bind_pre, _layer_done, _load_done,
+                     _save_done, _save_end, _save_layer_done, _timed_pre)
 
 # (bound by assignment: see kvtrace.hook.vllm.engine)
 S, T, W, log = engine.S, state.T, worker.W, engine.log
@@ -43,7 +43,8 @@ def _nothing_after(self, t, out) -> None:
 # What the inlined wrappers' bodies (engine.ALLOCATE_BODY, EVICT_BODY; worker.LOAD_BODY,
 # LAYER_BODY, SAVE_BODY) call and read: their globals.
 _ENV = {"_kv_S": S, "_kv_W": W, "_kv_mono": _monotonic_ns, "_kv_error": T.error,
-        "_kv_admission": _note_admission_alloc, "_kv_note_evict": _note_evict, "_kv_save_end": _save_end}
+        "_kv_admission": _note_admission_alloc, "_kv_note_evict": _note_evict, "_kv_save_end": _save_end,
+        "_kv_ext_alloc": connector.note_alloc}
 
 
 def _exactly(pre, post, abort=_nothing, names=()):
@@ -92,6 +93,10 @@ def engine_wrappers() -> dict:
         "Scheduler.update_from_output": _exactly(_update_pre, _update_post, names=("scheduler_output",)),
         "Scheduler._preempt_request": _exactly(_preempt_pre, _preempt_post, names=("request",)),
         "KVCacheManager.allocate_slots": _inlined(ALLOCATE_BODY, ALLOC_PARAMS),
+        "Scheduler._update_from_kv_xfer_finished": _exactly(connector.xfer_pre, connector.xfer_post,
+                                                            names=("kv_connector_output",)),
+        "Scheduler._connector_finished": _exactly(connector.finished_pre, connector.finished_post,
+                                                  names=("request",)),
         "BlockPool._maybe_evict_cached_block": _inlined(EVICT_BODY if releases.has("block_hash_sets")
                                                         else EVICT_BODY_ONE_HASH, ("block",)),
     }
@@ -136,6 +141,7 @@ CONNECTOR_METHODS = {
     "bind_connector_metadata": _any_params(_bind_pre, _nothing_after, _nothing),
     "start_load_kv": _any_params(_timed_pre, _load_done, _load_done, LOAD_BODY),
     "wait_for_layer_load": _any_params(_timed_pre, _layer_done, _layer_done, LAYER_BODY),
+    "save_kv_layer": _any_params(_timed_pre, _save_layer_done, _save_layer_done, SAVE_LAYER_BODY),
     "wait_for_save": _any_params(_timed_pre, _save_done, _save_done, SAVE_BODY),
 }
 _API = {m.name: m for m in needs.CONNECTOR_API}

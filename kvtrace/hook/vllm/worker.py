@@ -2,7 +2,8 @@
 creates, as one kv_step record per Worker step on the shared queue (kvtrace.hook.state), and the
 Worker's state (W).
 
-  bind_connector_metadata / start_load_kv / wait_for_layer_load / wait_for_save   kv_load, kv_store
+  bind_connector_metadata / start_load_kv / wait_for_layer_load / save_kv_layer / wait_for_save
+                                                                   kv_load, kv_store (kv_step2)
 
 What is patched with what is in kvtrace.hook.vllm.targets; this module holds the wrappers' work.
 Every name a wrapper reads is a global of this module (imported from kvtrace.hook.state once).
@@ -26,7 +27,7 @@ class _Worker:
     """Worker state: the connector step being timed; reset when the agent goes away."""
 
     __slots__ = ("active", "on", "seen_check", "agents", "seq", "depth", "source", "t_bind", "load_t0",
-                 "load_t1", "waits", "wait_ns", "last_wait_end")
+                 "load_t1", "waits", "wait_ns", "last_wait_end", "saves", "save_ns", "save_first")
 
     def __init__(self):
         self.active = False
@@ -42,6 +43,7 @@ class _Worker:
         self.t_bind = now
         self.load_t0 = self.load_t1 = 0
         self.waits = self.wait_ns = self.last_wait_end = 0
+        self.saves = self.save_ns = self.save_first = 0
 
 
 W = _Worker()
@@ -95,6 +97,15 @@ def _layer_done(self, t0, out=None) -> None:
     W.last_wait_end = t1
 
 
+def _save_layer_done(self, t0, out=None) -> None:
+    W.depth -= 1
+    t1 = _monotonic_ns()
+    if not W.saves:
+        W.save_first = t0
+    W.saves += 1
+    W.save_ns += t1 - t0
+
+
 def _save_done(self, t0, out=None) -> None:
     W.depth -= 1
     _save_end(t0)
@@ -132,6 +143,13 @@ LAYER_BODY = _TIMED_HEAD + """\
     _kv_w.wait_ns += _kv_t1 - _kv_t0
     _kv_w.last_wait_end = _kv_t1
 """
+SAVE_LAYER_BODY = _TIMED_HEAD + """\
+    _kv_t1 = _kv_mono()
+    if not _kv_w.saves:
+        _kv_w.save_first = _kv_t0
+    _kv_w.saves += 1
+    _kv_w.save_ns += _kv_t1 - _kv_t0
+"""
 SAVE_BODY = _TIMED_HEAD + """\
     _kv_save_end(_kv_t0)
 """
@@ -141,11 +159,11 @@ def _worker_step_end(t_save0: int, t_save1: int) -> None:
     W.active = False
     # one record for the step's kv_load and kv_store rows (the agent splits it: wire.kv_step_rows)
     if W.load_t0:
-        _enqueue(("kv_step", W.load_t0, max(W.load_t1, W.last_wait_end), W.load_t1, W.seq, W.waits, W.wait_ns,
-                  t_save0, t_save1, 1, W.source))
+        _enqueue(("kv_step2", W.load_t0, max(W.load_t1, W.last_wait_end), W.load_t1, W.seq, W.waits, W.wait_ns,
+                  t_save0, t_save1, 1, W.source, W.saves, W.save_ns, W.save_first))
     else:   # no start_load_kv: the load, if a layer waited, spans bind to the last wait
-        _enqueue(("kv_step", W.t_bind, W.last_wait_end, W.t_bind, W.seq, W.waits, W.wait_ns,
-                  t_save0, t_save1, 1 if W.waits else 0, W.source))
+        _enqueue(("kv_step2", W.t_bind, W.last_wait_end, W.t_bind, W.seq, W.waits, W.wait_ns,
+                  t_save0, t_save1, 1 if W.waits else 0, W.source, W.saves, W.save_ns, W.save_first))
     if t_save1 - _last["flush"] >= FLUSH_EVERY_NS:
         _flush(t_save1)
     else:

@@ -1,0 +1,227 @@
+"""kvtrace attached to vLLM whose KV cache has an external tier: LMCache 0.5.6 in multiprocess
+mode (LMCacheMPConnector, LMCache's own server, an `fs` L2 on disk), checked against vLLM's
+answers, vLLM's /metrics, LMCache's log and metrics, its process's I/O counters and its files.
+
+Workload: 3 prompts of 712 tokens sharing a 512-token prefix, sent one by one (round 1), then
+vLLM's prefix cache is emptied (POST /reset_prefix_cache) and the same prompts are sent again
+(round 2).  LMCache stores whole 256-token chunks only: each prompt's first 2 chunks, which are
+the shared prefix, so 2 chunks in all.  Round 1: p0 cold, p1 and p2 hit the prefix in vLLM's own
+cache (512 local).  Round 2: p0 finds the prefix in LMCache (512 external, loaded), p1 and p2
+then hit it locally again.  The server runs with `--l2-store-policy skip_l1`: a stored chunk
+leaves L1 once it is on disk, so round 2's load is read back from the L2 files.
+"""
+from __future__ import annotations
+
+import json
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvtrace.dataset.reader import Dataset
+from kvtrace.demo import workload
+from kvtrace.demo.server import MODELS
+from tests import helpers
+from tests.helpers import wait_for
+from tests.lmcache.conftest import CHUNK
+from tests.vllm.test_hook import settled_metrics
+
+pytestmark = pytest.mark.root
+
+LMCACHE_L2_STORE_POLICY = "skip_l1"   # read by the lmcache_server fixture: loads come from disk
+
+REPO = Path(__file__).resolve().parents[2]
+PREFIX, PROMPT = 512, 712
+PROMPTS = 3
+EXTERNAL = "vllm:external_prefix_cache_hits_total"
+METRICS = (EXTERNAL, "vllm:prefix_cache_hits_total")
+
+# One L2 file holds one chunk's KV: tokens x 2 (K and V) x layers x KV heads x head dim x bytes
+# per element.  The tiny model (kvtrace/demo/server.py TINY_LLAMA): 2 layers, 4 KV heads, head
+# dim 256 / 4 = 64, bfloat16 (2 bytes): 256 x 2 x 2 x 4 x 64 x 2 = 524,288 bytes.
+TINY = MODELS["tiny"]
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}[TINY["torch_dtype"]]
+CHUNK_BYTES = (CHUNK * 2 * TINY["num_hidden_layers"] * TINY["num_key_value_heads"]
+               * (TINY["hidden_size"] // TINY["num_attention_heads"]) * DTYPE_BYTES)
+
+# LMCache's log lines (INFO), as 0.5.6 writes them
+STORED = re.compile(r"Stored (\d+) tokens in [0-9.]+ seconds")
+RETRIEVED = re.compile(r"Retrieved (\d+) tokens in [0-9.]+ seconds")
+PREFETCHED = re.compile(r"Prefetch request completed \(L1\+L2\): (\d+)/(\d+) retained keys \((\d+) L1, (\d+) L2\)")
+
+
+class Agent:
+    """`kvtrace attach --port` as a subprocess, stopped with SIGINT like a user would."""
+
+    def __init__(self, port: int, out: Path):
+        self.err = out.parent / f"{out.name}.stderr"
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvtrace", "attach", "--quiet", "--port", str(port),
+                                      "--out", str(out)], stdout=open(out.parent / f"{out.name}.stdout", "wb"),
+                                     stderr=open(self.err, "wb"), cwd=REPO)
+        wait_for(lambda: self.proc.poll() is not None or "injected in engine" in self.err.read_text(errors="replace"),
+                 180, "the hook's injection")
+        assert self.proc.poll() is None, self.err.read_text()[-3000:]
+        time.sleep(1.2)   # the hook re-reads the agent flag once a second
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        assert self.proc.wait(180) == 0, self.err.read_text()[-3000:]
+
+
+def l2_settled(lmc, still_s: float = 1.0) -> dict[str, int]:
+    """The L2 files once some exist and none has appeared or grown for ``still_s`` (LMCache writes
+    L1 to L2 asynchronously, after the request's response)."""
+    state = {"files": None, "since": 0.0}
+
+    def settled():
+        files = lmc.l2_files()
+        if files != state["files"]:
+            state.update(files=files, since=time.monotonic())
+            return None
+        return files if files and time.monotonic() - state["since"] >= still_s else None
+
+    return wait_for(settled, 60, f"LMCache's L2 files in {lmc.l2_dir}", step=0.2)
+
+
+def lmcache_counters(lmc, timeout: float = 10.0) -> dict[str, float]:
+    """LMCache's counters (``lmcache_mp_..._total``, summed over labels) once two scrapes 0.5 s
+    apart agree (its metrics are fed by an event bus, after the fact)."""
+    def scrape() -> dict[str, float]:
+        out: dict[str, float] = {}
+        for line in lmc.metrics().splitlines():
+            if line.startswith("lmcache_mp_") and "_total" in line.split(" ", 1)[0]:
+                name = re.split(r"[{ ]", line, maxsplit=1)[0]
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        return out
+
+    prev, deadline = None, time.monotonic() + timeout
+    while True:
+        cur = scrape()
+        if cur == prev or time.monotonic() > deadline:
+            return cur
+        prev = cur
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def run(lmcache_server, lmcache_vllm, tmp_path_factory):
+    lmc, srv = lmcache_server, lmcache_vllm
+    base = tmp_path_factory.mktemp("lmcache-run")
+    rnd = random.Random(56)
+    prefix = workload.tokens(rnd, PREFIX)
+    prompts = {f"p{i}": prefix + workload.tokens(rnd, PROMPT - PREFIX) for i in range(PROMPTS)}
+    sent: dict[str, dict] = {}
+    agent = Agent(srv.port, base / "ds")
+    try:
+        m0 = settled_metrics(srv, METRICS)
+        for name, p in prompts.items():
+            sent[f"r1{name}"] = helpers.post_completion(srv.url, srv.model, p, f"r1{name}")
+        files1 = l2_settled(lmc)   # round 1's chunks on disk before round 2 asks for them
+        helpers.dev_post(srv.url, "/reset_prefix_cache")
+        m1 = settled_metrics(srv, METRICS)
+        mark, io1, lm1 = len(lmc.log()), lmc.io(), lmcache_counters(lmc)
+        for name, p in prompts.items():
+            sent[f"r2{name}"] = helpers.post_completion(srv.url, srv.model, p, f"r2{name}")
+        m2 = settled_metrics(srv, METRICS)
+        io2, lm2 = lmc.io(), lmcache_counters(lmc)
+        time.sleep(1.5)   # one agent flush interval
+    finally:
+        agent.stop()
+    log = lmc.log()
+    (base / "observed.json").write_text(json.dumps({"metrics": [m0, m1, m2], "io": [io1, io2], "lmcache": [lm1, lm2],
+                                                    "sent": sent}, indent=1))
+    return {"ds": Dataset.open(base / "ds"), "sent": sent, "m": (m0, m1, m2), "io": (io1, io2), "lm": (lm1, lm2),
+            "log1": log[:mark], "log2": log[mark:], "files1": files1, "files": lmc.l2_files()}
+
+
+def cached(resp: dict) -> int:
+    return resp["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_lmcache_external_hits_match_vllm(run):
+    sent, (m0, m1, m2) = run["sent"], run["m"]
+    ext_r1, ext_r2 = m1[EXTERNAL] - m0[EXTERNAL], m2[EXTERNAL] - m1[EXTERNAL]
+    # vLLM and LMCache, before kvtrace: round 1 stored the prefix's 2 chunks and hit nothing
+    # external; round 2 loaded it back for p0 (as many tokens as LMCache retrieved) and p0's
+    # load put it in vLLM's own cache for p1 and p2
+    assert sum(int(n) for n in STORED.findall(run["log1"])) == PREFIX, run["log1"][-3000:]
+    assert ext_r1 == 0
+    assert ext_r2 == PREFIX and sum(int(n) for n in RETRIEVED.findall(run["log2"])) == ext_r2
+    assert [cached(sent[f"r1p{i}"]) for i in range(PROMPTS)] == [0, PREFIX, PREFIX]
+    assert [cached(sent[f"r2p{i}"]) for i in range(PROMPTS)] == [PREFIX, PREFIX, PREFIX]
+
+    # kvtrace: each request's first admission, local + external = vLLM's cached tokens
+    ds = run["ds"]
+    assert not ds.problems, ds.problems
+    admits = {(a["request"].split("-")[1], a["attempt"]): a for a in ds.table("admit").to_pylist()}
+    got = {name: (admits[(name, 0)]["cached_local"], admits[(name, 0)]["cached_external"]) for name in sent}
+    assert {n: loc + ext for n, (loc, ext) in got.items()} == {n: cached(r) for n, r in sent.items()}, got
+    # ... the external part summing to vLLM's counter over the run, all of it in round 2, in whole chunks
+    assert sum(ext for _loc, ext in got.values()) == m2[EXTERNAL] - m0[EXTERNAL], got
+    r2 = sum(ext for n, (_loc, ext) in got.items() if n.startswith("r2"))
+    assert r2 > 0 and r2 % CHUNK == 0, got
+
+
+def test_lmcache_loads_from_disk(run):
+    # on disk: one file per stored chunk, each exactly one chunk's KV (CHUNK_BYTES, above)
+    files = run["files"]
+    assert len(files) == PREFIX // CHUNK and set(files.values()) == {CHUNK_BYTES}, files
+    assert run["files1"] == files   # round 2 stored nothing new
+    # round 2's prefetches found every chunk in L2 only (skip_l1), and LMCache's own metrics agree.
+    # LMCache prefetches a request's chunks at its lookup, before vLLM has used its own cache: p1
+    # and p2 read the prefix from disk too (6 chunks read for the 2 that p0 loaded)
+    pre = [tuple(int(x) for x in m) for m in PREFETCHED.findall(run["log2"])]
+    l2_keys = sum(p[3] for p in pre)
+    assert pre and all(p[2] == 0 for p in pre) and l2_keys >= PREFIX // CHUNK, run["log2"][-3000:]
+    # the server read them with O_DIRECT: its read_bytes rose by what it loaded (exactly, here;
+    # at least, so that a module it imports meanwhile cannot fail the test)
+    io1, io2 = run["io"]
+    assert io2["read_bytes"] - io1["read_bytes"] >= l2_keys * CHUNK_BYTES, (io1, io2, pre)
+    lm1, lm2 = run["lm"]
+    delta = {k: v - lm1.get(k, 0.0) for k, v in lm2.items() if v != lm1.get(k, 0.0)}
+    assert delta.get("lmcache_mp_l2_prefetch_load_completed_chunks_total") == l2_keys, delta
+
+
+def test_the_connectors_load_and_ends_as_vllms_scheduler_drove_them(run, kvtrace_cli):
+    """kvtrace's records of LMCacheMPConnector, from vLLM's scheduler alone: p0's load in round 2
+    (async: the request waited for it), its blocks and bytes, its completion, and every request's
+    end handed to the connector, which stores it asynchronously."""
+    ds, sent = run["ds"], run["sent"]
+    name = lambda r: r["request"].split("-")[1]   # noqa: E731
+    (alloc,) = ds.table("kv_alloc").to_pylist()
+    admit = {name(a): a for a in ds.table("admit").to_pylist() if a["attempt"] == 0}
+    assert name(alloc) == "r2p0" and alloc["connector"] == "LMCacheMPConnector" and alloc["async"] == 1
+    assert (alloc["first"], alloc["external"]) == (admit["r2p0"]["cached_local"], admit["r2p0"]["cached_external"])
+    # bytes: the load's blocks x block size x KV bytes per token (2 x layers x KV heads x head dim x
+    # dtype bytes = CHUNK_BYTES / CHUNK): exactly the L2 files LMCache loaded it from
+    bs = 32
+    assert alloc["blocks"] == PREFIX // bs and alloc["nbytes"] == alloc["blocks"] * bs * CHUNK_BYTES // CHUNK
+    assert alloc["nbytes"] == sum(run["files"].values())
+    done = [d for d in ds.table("kv_done").to_pylist() if d["direction"] == "load"]
+    assert [(name(d), d["ok"]) for d in done] == [("r2p0", 1)]
+    # (the workers start the load in the step that allocated it and may report it done in that
+    # step's output: the request is scheduled in a later step)
+    assert done[0]["t_ns"] > alloc["t_ns"] and done[0]["step"] >= alloc["step"]
+    chunks = {name(c): c for c in ds.table("chunk").to_pylist() if c["chunk_index"] == 0}
+    assert chunks["r2p0"]["step"] > done[0]["step"] and chunks["r2p0"]["start"] == PREFIX
+    # every request's end: the blocks of its computed tokens, kept for an async store that finished
+    ends = {name(f): f for f in ds.table("kv_finish").to_pylist()}
+    assert set(ends) == set(sent) and all(f["delay_free"] == 1 for f in ends.values())
+    assert all(f["nbytes"] == f["blocks"] * bs * CHUNK_BYTES // CHUNK and f["blocks"] >= PROMPT // bs
+               for f in ends.values()), ends
+    stored = {name(d) for d in ds.table("kv_done").to_pylist() if d["direction"] == "store"}
+    assert stored == set(sent)
+    # the report: the same load, and no mismatch with vLLM's counters
+    p = kvtrace_cli("analyze", str(ds.root), "--json", timeout=300)
+    assert p.returncode == 0, p.stderr
+    rep = json.loads(p.stdout)
+    (conn,) = rep["connector"]["connectors"]
+    assert (conn["external_tokens"], conn["bytes"], conn["async_loads"], conn["failed_loads"]) == \
+        (PREFIX, alloc["nbytes"], 1, 0), conn
+    assert not rep.get("warnings"), rep.get("warnings")
