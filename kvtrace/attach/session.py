@@ -63,6 +63,7 @@ class Capture:
     inject: bool = True
     on_restart: str | None = None
     quiet: bool = False
+    tiers: list = field(default_factory=list)   # kvtrace.servers.tier.TierInfo: traced with the server
 
 
 def run(cap: Capture, echo) -> tuple[object, str]:
@@ -76,6 +77,10 @@ def run(cap: Capture, echo) -> tuple[object, str]:
     plan, writer, server = cap.plan, cap.writer, cap.server
     if server is not None:   # the run row names the server discovery found (none: null)
         writer.state_server(server.kind, server.version)
+    if cap.tiers:
+        from kvtrace.attach.tiers import table  # lazy: start-up cost: the CLI imports attach's options for every command
+
+        writer.add("tiers", table(cap.tiers))
     pids = list(cap.pids)
     source = Source(plan)
     gated = pipeline = raw = None
@@ -100,6 +105,11 @@ def run(cap: Capture, echo) -> tuple[object, str]:
         for sidecar in start_vllm_streams(server, cap.kv_events, cap.kv_replay, cap.metrics_url,
                                           cap.metrics_interval, echo=echo, pids=pids):
             pipeline.add_sidecar(sidecar)
+        if cap.tiers:
+            from kvtrace.attach.tiers import scrapers  # lazy: start-up cost: the CLI imports attach's options for every command
+
+            for sidecar in scrapers(cap.tiers, cap.metrics_interval, echo):
+                pipeline.add_sidecar(sidecar)
         fabric.start(pipeline, source)  # NVMe topology, NIC counters, nvme/tcp probe settings
         agg.start(pipeline, source, cap.sampling, echo=echo)  # exact counts, sampling
         echo(f"kvtrace: attached {', '.join(plan.attached)} to pid {', '.join(map(str, pids))}; writing {cap.out}")

@@ -8,7 +8,7 @@ from kvtrace.capture import BY_NAME, program, rawfile
 from kvtrace.commands.params import FLUSH_MIN_S, METRICS_MIN_S, Seconds
 from kvtrace.dataset.writer import DatasetWriter
 from kvtrace.errors import PrivilegeError, UsageError
-from kvtrace.attach import fabric
+from kvtrace.attach import fabric, tiers
 from kvtrace.host import privileges, tracefs
 from kvtrace.attach.select import choose_server, server_of
 
@@ -32,7 +32,7 @@ from kvtrace.attach.select import choose_server, server_of
                    "buffer overflows and stops once it keeps up; off never samples (losses are counted); N keeps 1 in N. "
                    "The *_agg tables count every event in the kernel either way.")
 @click.option("--raw-out", type=click.Path(dir_okay=False), default=None, help="Also keep the raw ring-buffer records in this file (for bug reports and decoder tests).")
-@click.option("--port", type=int, default=None, help="Trace the vLLM server listening on this port (API server, EngineCore, Workers).")
+@click.option("--port", type=int, default=None, help="Trace the vLLM server listening on this port (API server, EngineCore, Workers, and the KV tier server its connector reaches).")
 @click.option("--yes", is_flag=True, help="Without --pid or a command: attach to the only vLLM server found.")
 @click.option("--kv-events", "kv_events", default=None, metavar="ENDPOINT", help="vLLM KV-event endpoint as given to vLLM's --kv-events-config (default: from the discovered server).")
 @click.option("--kv-replay", "kv_replay", default=None, metavar="ENDPOINT", help="vLLM KV-event replay endpoint, with --kv-events.")
@@ -54,13 +54,16 @@ def command(pids, out, duration, probe_names, no_writes, skip_fds, ringbuf_pages
 
     Trace running processes with --pid, or start one: kvtrace attach --out DIR -- CMD ARGS.
     With neither, find the vLLM server (--port PORT, or --yes for the only one) and trace its
-    API server, EngineCore and Workers, plus its KV-event stream and /metrics.
+    API server, EngineCore and Workers, plus its KV-event stream and /metrics, and the KV tier
+    servers its connector reaches (LMCache's).
     """
     from kvtrace.capture import agg  # lazy: start-up cost: the CLI imports every command's module (cli._register)
 
     sampling = agg.parse_mode(sampling)
     _check_options(otlp, otlp_protocol, kv_events, kv_replay, ringbuf_pages)
     server, pids = _targets(pids, command, port, yes)
+    found_tiers = tiers.follow(server, echo=lambda m: click.echo(m, err=True))
+    pids = tuple(dict.fromkeys([*pids, *(p for t in found_tiers for p in t.pids)]))
     if on_restart is not None and server is None:
         raise UsageError("--on-restart applies to a vLLM server: use it with --port, --yes, or --pid of a vLLM server")
     _check_privileges()
@@ -69,7 +72,7 @@ def command(pids, out, duration, probe_names, no_writes, skip_fds, ringbuf_pages
                         skip_fds=skip_fds)
     cap = session.Capture(plan, writer, pids, out, list(command), server, duration, flush_interval, sampling, raw_out,
                           otlp, otlp_protocol, kv_events, kv_replay, metrics_url, metrics_interval, inject,
-                          on_restart, quiet)
+                          on_restart, quiet, found_tiers)
     pipeline, reason = session.run(cap, echo=lambda m: click.echo(m, err=True))
     _report(pipeline, reason, out, writer.run)
     return 0

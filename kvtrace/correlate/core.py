@@ -80,6 +80,7 @@ class Result:
     done: dict[str, np.ndarray] = field(default_factory=dict)  # per input table: rows decided
     nvme_groups: list[dict] = field(default_factory=list)    # NVMe commands per step and queue, for chunk spans
     segments: list[Segment] = field(default_factory=list)   # the miss causes of the final admissions
+    connector: list[dict] = field(default_factory=list)     # kv_alloc / kv_done rows (kvtrace.correlate.requests)
 
 
 def correlate(tables: dict[str, pa.Table], run: str = "", final_before: int | None = None,
@@ -117,7 +118,7 @@ def correlate(tables: dict[str, pa.Table], run: str = "", final_before: int | No
                   io_groups=io_groups, evicts=evict_records(ev, chunks), preempts=preempt_records(pr, chunks),
                   admits=req.admits, arrives=req.arrives, finishes=req.finishes,
                   done=decided(ctx, chunks, transfers, kio, ev, pr, ov, nvme, req), nvme_groups=step_nv.groups,
-                  segments=segments)
+                  segments=segments, connector=req.connector)
 
 
 def decided(ctx: Context, chunks: Chunks, transfers: Transfers, kio: dict[str, KernelIO], ev: Evictions,
@@ -130,5 +131,6 @@ def decided(ctx: Context, chunks: Chunks, transfers: Transfers, kio: dict[str, K
     n_load = transfers.n_load
     return {"step": ctx.final, "admit": chunks.admit_final, "finish": req.finish_final, "chunk": chunks.final,
             "evict": ev.final, "preempt": pr.final, "kv_load": transfers.final[:n_load],
-            "kv_store": transfers.final[n_load:], **{name: k.decided(ctx.horizon) for name, k in kio.items()}, **over,
+            "kv_store": transfers.final[n_load:], "kv_alloc": np.ones(ctx.cols["kv_alloc"].n, bool),
+            "kv_done": np.ones(ctx.cols["kv_done"].n, bool), **{name: k.decided(ctx.horizon) for name, k in kio.items()}, **over,
             **{name: np.ones(ctx.tables[name].num_rows, bool) for name in STRUCTURE if name in ctx.tables}}

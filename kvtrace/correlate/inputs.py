@@ -36,6 +36,10 @@ HOOK = {
     # A request vLLM reported finished (in the SchedulerOutput of step `step`).
     "finish": {"pid": "u4", "step": "u8", "t_ns": "u8", "request": "O"},
     "hook_start": {"pid": "u4", "role": "O"},
+    # Any KV connector as the scheduler drove it (docs/hook.md): a load granted, an async one done.
+    "kv_alloc": {"pid": "u4", "step": "u8", "t_ns": "u8", "request": "O", "external": "u4", "blocks": "u4",
+                 "nbytes": "u8", "async": "u1", "connector": "O"},
+    "kv_done": {"pid": "u4", "t_ns": "u8", "request": "O", "direction": "O", "ok": "u1"},
 }
 KERNEL = {
     "block_io": {"ts_ns": "u8", "start_ns": "u8", "pid": "u4", "tid": "u4", "dev_major": "u4",

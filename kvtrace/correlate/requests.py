@@ -27,6 +27,7 @@ class Acc:
     evicts: int = 0                                  # blocks evicted by this request's allocations
     transfers: list = field(default_factory=list)    # named KV transfers (spans and totals)
     segments: list = field(default_factory=list)     # its tokens by miss cause (kvtrace.correlate.causes)
+    connector: list = field(default_factory=list)    # its kv_alloc / kv_done rows (any KV connector)
     last_ns: int = 0                                 # last activity (monotonic)
 
 
@@ -80,6 +81,10 @@ class Requests:
                 a = self._acc(t["request"], t["engine_pid"])
                 a.transfers.append(t)
                 a.last_ns = max(a.last_ns, t["t_end_ns"])
+        for c in res.connector:
+            a = self._acc(c["request"], c["engine_pid"])
+            a.connector.append(c)
+            a.last_ns = max(a.last_ns, c["t_ns"])
         for seg in res.segments:
             self._acc(seg.request, seg.engine_pid).segments.append(seg)
         for f in res.finishes:
@@ -122,6 +127,8 @@ REQUEST_SCHEMA = pa.schema([
     ("joined_trace", pa.bool_()), ("trace_id", pa.string()), ("span_id", pa.string()),
     ("parent_span_id", pa.string()),
     *[(c, pa.uint32()) for c in MISSES], ("readmit_recomputed_tokens", pa.uint32()),
+    ("kv_connector", pa.string()), ("connector_load_tokens", pa.uint32()), ("connector_load_bytes", pa.uint64()),
+    ("connector_load_wait_ns", pa.int64()), ("connector_load_failed", pa.uint32()),
 ])
 
 
@@ -170,8 +177,25 @@ def request_row(run: str, a: Acc) -> dict:
         "storage_wait_ns": sum(c["storage_wait_ns"] for c in chunks), "compute_ns": sum(c["compute_ns"] for c in chunks),
         "finished": a.finish is not None, "joined_trace": joined, "trace_id": trace.hex(),
         "span_id": ids.request_span(trace, a.request).hex(), "parent_span_id": parent.hex(),
-        **_causes(a),
+        **_causes(a), **_connector(a),
     }
+
+
+def _connector(a: Acc) -> dict:
+    """The connector's loads for this request as its scheduler saw them: the connector, tokens and
+    bytes loaded, and how long the request waited for its async loads (alloc to done)."""
+    allocs = sorted((c for c in a.connector if c["what"] == "alloc"), key=lambda c: c["t_ns"])
+    dones = sorted((c["t_ns"] for c in a.connector if c["what"] == "done" and c["direction"] == "load"))
+    wait = 0
+    for al in allocs:
+        if al["async"]:
+            done = next((t for t in dones if t >= al["t_ns"]), None)
+            wait += (done - al["t_ns"]) if done is not None else 0
+    return {"kv_connector": allocs[0]["connector"] if allocs else "",
+            "connector_load_tokens": sum(c["external"] for c in allocs),
+            "connector_load_bytes": sum(c["nbytes"] for c in allocs), "connector_load_wait_ns": wait,
+            "connector_load_failed": sum(1 for c in a.connector if c["what"] == "done" and not c.get("ok", 1)
+                                         and c["direction"] == "load")}
 
 
 def _causes(a: Acc) -> dict:

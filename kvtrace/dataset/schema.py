@@ -81,6 +81,17 @@ TABLES: dict[str, pa.Schema] = {
     "server_metrics": pa.schema([
         ("ts_ns", u64), ("kind", d), ("name", s), ("labels", s), ("value", f64), ("type", s),
     ]),
+    # The KV tier servers the traced engine's connectors reach (kvtrace.servers.tiers), found at
+    # attach and traced with it: one row each (address: the host its connector is given; storage: its
+    # lower tiers, "fs:<dir>", comma-separated).
+    # A KV tier server's own metrics (kvtrace.attach.tiers), as server_metrics; kind: the tier's.
+    "tier_metrics": pa.schema([
+        ("ts_ns", u64), ("kind", d), ("name", s), ("labels", s), ("value", f64), ("type", s),
+    ]),
+    "tiers": pa.schema([
+        ("ts_ns", u64), ("kind", d), ("pid", u32), ("address", s), ("port", u32), ("connector", s),
+        ("version", s), ("storage", s), ("same_netns", pa.bool_()),
+    ]),
     # ---- NVMe(-oF), transport and NIC tables (probes nvme/tcp/rdma, kvtrace.fabric) ----
     # One row per NVMe command attempt (sampled under load: weight = commands it stands for).
     "nvme_cmd": pa.schema([
@@ -163,6 +174,10 @@ TABLES: dict[str, pa.Schema] = {
         # found again and recomputed
         ("miss_cold", u32), ("miss_unseen", u32), ("miss_evicted", u32), ("miss_inflight", u32), ("miss_tail", u32),
         ("miss_other_key", u32), ("miss_not_looked_up", u32), ("readmit_recomputed_tokens", u32),
+        # its loads from a KV connector as the scheduler drove it (kv_alloc, kv_done): the connector,
+        # tokens and bytes loaded, the wait for its async loads, its failed loads
+        ("kv_connector", s), ("connector_load_tokens", u32), ("connector_load_bytes", u64),
+        ("connector_load_wait_ns", i64), ("connector_load_failed", u32),
     ]),
     # Every admission's tokens in runs of one cause (kvtrace.correlate.causes): a hit or why it missed.
     "token_causes": pa.schema([

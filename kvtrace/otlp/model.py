@@ -244,6 +244,10 @@ REQUEST_ATTRS = [
     ("kvtrace.request.finished", "finished", "b"), ("kvtrace.trace.joined", "joined_trace", "b"),
     *((f"kvtrace.miss.{c.removeprefix('miss_')}", c, "i") for c in MISSES),
     ("kvtrace.miss.readmit_recomputed", "readmit_recomputed_tokens", "i"),
+    ("kvtrace.request.kv_connector", "kv_connector", "s"),
+    ("kvtrace.request.connector_load_tokens", "connector_load_tokens", "i"),
+    ("kvtrace.request.connector_load_bytes", "connector_load_bytes", "i"),
+    ("kvtrace.request.connector_load_wait_ns", "connector_load_wait_ns", "i"),
     ("process.pid", "engine_pid", "i"),
 ]
 
@@ -309,7 +313,8 @@ def encoded_request_spans(rows: list[dict], accs: list, offset: int) -> list[byt
     attrs = [("kvtrace.request.id", "s", (rcodes, rvals)),
              ("gen_ai.request.id", "s", (rcodes, [ids.external_id(v) for v in rvals]))]
     for key, c, kind in REQUEST_ATTRS:
-        attrs.append((key, kind, np.array([r[c] for r in rows], np.int64 if kind == "i" else bool)))
+        vals = [r[c] for r in rows]
+        attrs.append((key, kind, _codes(vals) if kind == "s" else np.array(vals, np.int64 if kind == "i" else bool)))
     extra = []
     for r, a in zip(rows, accs):
         evs, dropped = request_events(a, offset)

@@ -234,9 +234,11 @@ class MetricsScraper:
 
     def __init__(self, url: str, interval: float = 10.0, timeout: float = 5.0, kind: str | None = None,
                  prefixes=(), drop_suffixes=DEFAULT_DROP_SUFFIXES, queue_scrapes: int = 3600,
-                 max_bytes: int = 32 << 20, netns: str | None = None):
+                 max_bytes: int = 32 << 20, netns: str | None = None, table: str = TABLE):
         """``kind``: the server kind the samples are of (their ``kind`` column; None: not known);
-        ``prefixes``: the names of the samples kept (the kind's ``metrics_prefix``; empty: all)."""
+        ``prefixes``: the names of the samples kept (the kind's ``metrics_prefix``; empty: all);
+        ``table``: the table they go to (a KV tier server's: tier_metrics)."""
+        self.name = table
         if interval <= 0:
             raise ValueError("interval must be positive")
         self.url = url

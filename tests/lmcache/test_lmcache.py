@@ -12,6 +12,7 @@ leaves L1 once it is on disk, so round 2's load is read back from the L2 files.
 """
 from __future__ import annotations
 
+import collections
 import json
 import random
 import re
@@ -29,6 +30,7 @@ from kvtrace.demo.server import MODELS
 from tests import helpers
 from tests.helpers import wait_for
 from tests.lmcache.conftest import CHUNK
+from tests.otlp_receiver import Receiver
 from tests.vllm.test_hook import settled_metrics
 
 pytestmark = pytest.mark.root
@@ -58,10 +60,10 @@ PREFETCHED = re.compile(r"Prefetch request completed \(L1\+L2\): (\d+)/(\d+) ret
 class Agent:
     """`kvtrace attach --port` as a subprocess, stopped with SIGINT like a user would."""
 
-    def __init__(self, port: int, out: Path):
+    def __init__(self, port: int, out: Path, otlp: str):
         self.err = out.parent / f"{out.name}.stderr"
         self.proc = subprocess.Popen([sys.executable, "-m", "kvtrace", "attach", "--quiet", "--port", str(port),
-                                      "--out", str(out)], stdout=open(out.parent / f"{out.name}.stdout", "wb"),
+                                      "--out", str(out), "--otlp", otlp], stdout=open(out.parent / f"{out.name}.stdout", "wb"),
                                      stderr=open(self.err, "wb"), cwd=REPO)
         wait_for(lambda: self.proc.poll() is not None or "injected in engine" in self.err.read_text(errors="replace"),
                  180, "the hook's injection")
@@ -117,7 +119,8 @@ def run(lmcache_server, lmcache_vllm, tmp_path_factory):
     prefix = workload.tokens(rnd, PREFIX)
     prompts = {f"p{i}": prefix + workload.tokens(rnd, PROMPT - PREFIX) for i in range(PROMPTS)}
     sent: dict[str, dict] = {}
-    agent = Agent(srv.port, base / "ds")
+    rx = Receiver().start()
+    agent = Agent(srv.port, base / "ds", rx.grpc_url)
     try:
         m0 = settled_metrics(srv, METRICS)
         for name, p in prompts.items():
@@ -126,18 +129,23 @@ def run(lmcache_server, lmcache_vllm, tmp_path_factory):
         helpers.dev_post(srv.url, "/reset_prefix_cache")
         m1 = settled_metrics(srv, METRICS)
         mark, io1, lm1 = len(lmc.log()), lmc.io(), lmcache_counters(lmc)
+        t2 = time.monotonic_ns()
         for name, p in prompts.items():
             sent[f"r2{name}"] = helpers.post_completion(srv.url, srv.model, p, f"r2{name}")
         m2 = settled_metrics(srv, METRICS)
         io2, lm2 = lmc.io(), lmcache_counters(lmc)
-        time.sleep(1.5)   # one agent flush interval
+        t3 = time.monotonic_ns()
+        time.sleep(6)   # past the live correlator's lateness: every span streamed while attached
     finally:
         agent.stop()
+        rx.stop()
     log = lmc.log()
     (base / "observed.json").write_text(json.dumps({"metrics": [m0, m1, m2], "io": [io1, io2], "lmcache": [lm1, lm2],
                                                     "sent": sent}, indent=1))
     return {"ds": Dataset.open(base / "ds"), "sent": sent, "m": (m0, m1, m2), "io": (io1, io2), "lm": (lm1, lm2),
-            "log1": log[:mark], "log2": log[mark:], "files1": files1, "files": lmc.l2_files()}
+            "log1": log[:mark], "log2": log[mark:], "files1": files1, "files": lmc.l2_files(), "round2": (t2, t3),
+            "stderr": agent.err.read_text(errors="replace"),
+            "spans": [x for x in list(rx.got.spans) if x.resource.get("service.name") == "kvtrace"]}
 
 
 def cached(resp: dict) -> int:
@@ -225,3 +233,69 @@ def test_the_connectors_load_and_ends_as_vllms_scheduler_drove_them(run, kvtrace
     assert (conn["external_tokens"], conn["bytes"], conn["async_loads"], conn["failed_loads"]) == \
         (PREFIX, alloc["nbytes"], 1, 0), conn
     assert not rep.get("warnings"), rep.get("warnings")
+
+
+def test_the_tier_servers_disk_io_as_the_kernel_saw_it(run, lmcache_server):
+    """attach --port followed vLLM's kv-transfer config to LMCache's server and traced it: its
+    L2 reads in round 2, as kvtrace's file_io rows, are the bytes its process read from the disk
+    (/proc/PID/io) and the chunks it loaded; its writes are the L2 files."""
+    lmc, ds = lmcache_server, run["ds"]
+    (tier,) = ds.table("tiers").to_pylist()
+    assert (tier["kind"], tier["pid"], tier["port"], tier["connector"], tier["version"], tier["same_netns"]) == \
+        ("lmcache", lmc.pid, lmc.port, "LMCacheMPConnector", "0.5.6", True)
+    assert tier["storage"] == f"fs:{lmc.l2_dir}"
+    assert f"tracing LMCache's server (pid {lmc.pid}" in run["stderr"]
+    rows = [r for r in ds.table("file_io").to_pylist()
+            if r["pid"] == lmc.pid and (r["path"] or "").startswith(str(lmc.l2_dir) + "/") and r["ret"] > 0]
+    reads = {"read", "pread64", "readv", "preadv", "preadv2"}
+    t2, t3 = run["round2"]
+    read2 = sum(r["ret"] * (r["weight"] or 1) for r in rows if r["syscall"] in reads and t2 <= r["start_ns"] <= t3)
+    io1, io2 = run["io"]
+    l2_keys = sum(int(m[3]) for m in PREFETCHED.findall(run["log2"]))
+    assert read2 == l2_keys * CHUNK_BYTES == io2["read_bytes"] - io1["read_bytes"], (read2, l2_keys, io1, io2)
+    # LMCache writes each chunk to NAME.tmp, then renames it NAME.data
+    written = collections.Counter()
+    for r in rows:
+        if r["syscall"] not in reads:
+            written[r["path"].rsplit("/", 1)[1].removesuffix(".tmp") + ".data"] += r["ret"] * (r["weight"] or 1)
+    assert dict(written) == run["files"], (dict(written), run["files"])
+
+
+def test_the_tier_servers_own_counters_are_recorded(run):
+    """LMCache's metrics, scraped by kvtrace inside its server's network namespace into
+    tier_metrics: each of its counters ends at the value LMCache served the test after the run."""
+    rows = run["ds"].table("tier_metrics").to_pylist()
+    assert rows and {r["kind"] for r in rows} == {"lmcache"}
+    last: dict[str, float] = {}
+    for r in sorted(rows, key=lambda r: r["ts_ns"]):
+        if r["name"].startswith("lmcache_mp_") and r["name"].endswith("_total"):
+            key = (r["name"], r["labels"])
+            last[key] = r["value"]
+    ended = collections.Counter()
+    for (name, _labels), v in last.items():
+        ended[name] += v
+    _lm1, lm2 = run["lm"]
+    assert ended["lmcache_mp_l2_prefetch_load_completed_chunks_total"] > 0
+    # (its loops' ticks count time, not work: they go on between the two scrapes)
+    work = {k: v for k, v in lm2.items() if not k.endswith("_ticks_total")}
+    assert len(work) > 10 and {k: ended[k] for k in work} == work
+
+
+def test_each_requests_row_and_span_carry_the_tier_it_loaded_from(run):
+    """The requests table (correlated at stop) and the request spans streamed while attached: p0 of
+    round 2 loaded the prefix from LMCache (tokens, bytes, its wait for the async load); no other
+    request loaded anything."""
+    ds = run["ds"]
+    name = lambda r: r["request"].split("-")[1]   # noqa: E731
+    (alloc,) = ds.table("kv_alloc").to_pylist()
+    (done,) = [d for d in ds.table("kv_done").to_pylist() if d["direction"] == "load"]
+    want = {n: ("", 0, 0, 0) for n in run["sent"]}
+    want["r2p0"] = ("LMCacheMPConnector", PREFIX, alloc["nbytes"], done["t_ns"] - alloc["t_ns"])
+    cols = ("kv_connector", "connector_load_tokens", "connector_load_bytes", "connector_load_wait_ns")
+    rows = {name(r): tuple(r[c] for c in cols) for r in ds.table("requests").to_pylist()}
+    assert rows == want
+    spans = {s.attrs["gen_ai.request.id"].split("-")[1]: s for s in run["spans"] if s.name == "kvtrace.request"}
+    assert set(spans) == set(want)
+    keys = ("kvtrace.request.kv_connector", "kvtrace.request.connector_load_tokens",
+            "kvtrace.request.connector_load_bytes", "kvtrace.request.connector_load_wait_ns")
+    assert {n: tuple(s.attrs[k] for k in keys) for n, s in spans.items()} == want

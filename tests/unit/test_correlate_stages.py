@@ -457,6 +457,6 @@ def test_correlate_wires_the_stages():
         "chunk": [True, True, False, False, True], "evict": [True, True, False], "preempt": [False],
         "kv_load": [True, True], "kv_store": [False],
         "block_io": [True, True, False], "file_io": [True, True, True, True, False, False],
-        "io_uring": [False, False], "nvme_cmd": [True, True, False, False]}
+        "io_uring": [False, False], "nvme_cmd": [True, True, False, False], "kv_alloc": [], "kv_done": []}
     assert res.steps["nic_deltas"].to_pylist() == [""] and res.steps["nvme_commands"].to_pylist() == [2.0]
     assert [g["step"] for g in res.nvme_groups] == [1, 1]

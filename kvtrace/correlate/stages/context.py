@@ -17,7 +17,7 @@ MAXBACK = 8  # how many earlier step windows are checked for overlap
 # The recorded tables read through kvtrace.correlate.inputs.columns (NVMe/NIC tables are read
 # from Context.tables by the overlap and nvme stages).
 INPUTS = ("step", "chunk", "admit", "evict", "preempt", "kv_load", "kv_store", "arrive", "finish", "processes",
-          "block_io", "file_io", "io_uring")
+          "block_io", "file_io", "io_uring", "kv_alloc", "kv_done")
 
 
 def locate(t: np.ndarray, t0: np.ndarray, t1: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

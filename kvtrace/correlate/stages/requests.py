@@ -1,6 +1,7 @@
 """Requests: the trace id of each request (its arrive record's W3C traceparent, else one derived
 from run and request id), and the request-level records a pass hands to
-kvtrace.correlate.requests (admissions, arrivals, finishes)."""
+kvtrace.correlate.requests (admissions, arrivals, finishes, and the connector's loads: kv_alloc
+and kv_done rows, each taken once, when it comes)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ class RequestRecords:
     arrives: list[dict]     # every arrive row seen (not only final ones)
     finishes: list[dict]    # final finish records
     finish_final: np.ndarray
+    connector: list[dict]   # kv_alloc and kv_done rows ("what": "alloc" / "done")
 
 
 def request_records(ctx: Context, chunks: Chunks) -> RequestRecords:
@@ -55,4 +57,14 @@ def request_records(ctx: Context, chunks: Chunks) -> RequestRecords:
     fi_final = ctx.final_of(ctx.index.rows(fi["pid"], fi["step"]), fi["t_ns"])
     finishes = [{"engine_pid": int(fi["pid"][i]), "request": fi["request"][i], "t_ns": int(fi["t_ns"][i])}
                 for i in np.flatnonzero(fi_final).tolist()]
-    return RequestRecords(admits, arrives, finishes, fi_final)
+    return RequestRecords(admits, arrives, finishes, fi_final, connector_records(ctx))
+
+
+def connector_records(ctx: Context) -> list[dict]:
+    al, dn = ctx.cols["kv_alloc"], ctx.cols["kv_done"]
+    out = [{"what": "alloc", "engine_pid": int(al["pid"][i]), "request": al["request"][i], "t_ns": int(al["t_ns"][i]),
+            "external": int(al["external"][i]), "nbytes": int(al["nbytes"][i]), "async": int(al["async"][i]),
+            "connector": al["connector"][i]} for i in range(al.n)]
+    out += [{"what": "done", "engine_pid": int(dn["pid"][i]), "request": dn["request"][i], "t_ns": int(dn["t_ns"][i]),
+             "direction": dn["direction"][i], "ok": int(dn["ok"][i])} for i in range(dn.n)]
+    return out
