@@ -140,6 +140,15 @@ def _verdict(server, cap: Capture) -> dict | None:
     return hooksupport.verdict(server)
 
 
+def _tier_hooks(cap: Capture, usermark: bool, echo, flag):
+    """The hooks in the KV tier servers the engine's connector reaches (kvtrace.attach.tiers)."""
+    if not cap.tiers:
+        return None
+    from kvtrace.attach.tiers import inject  # lazy: start-up cost: the CLI imports attach's options for every command
+
+    return inject(cap.tiers, cap.inject, usermark, echo, flag)
+
+
 def _flag(usermark: bool, echo) -> AgentFlag | None:
     """The agent's flag for the hook, or None (said why) where its directory cannot be trusted."""
     if not usermark:
@@ -160,6 +169,7 @@ def _loop(cap: Capture, source, pipeline, server, stop: Stop, gated, echo) -> st
     flag = _flag(usermark, echo)
     usermark = flag is not None
     injection = inject_hook(server, cap.inject, usermark, echo, flag, checked=_verdict(server, cap))
+    tier_hooks = _tier_hooks(cap, usermark, echo, flag)
     watch = None
     if server is not None and server.port is not None:
         from kvtrace.attach.restart import ServerWatch  # lazy: start-up cost: the CLI imports attach's options for every command
@@ -188,8 +198,11 @@ def _loop(cap: Capture, source, pipeline, server, stop: Stop, gated, echo) -> st
     finally:   # also when writing failed: the server must not keep a hook for a dead capture
         if watch is not None and watch.injection is not None:
             injection = watch.injection   # the server was restarted: the hook is in its new processes
-        if injection is not None:
-            injection.uninstall()  # the hook flushes its last records on the way out
+        if tier_hooks is not None:
+            tier_hooks.uninstall()
+        if injection is not None or tier_hooks is not None:
+            if injection is not None:
+                injection.uninstall()  # the hook flushes its last records on the way out
             time.sleep(0.2)
         if flag:
             flag.__exit__(None, None, None)

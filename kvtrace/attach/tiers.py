@@ -1,7 +1,8 @@
 """The KV tier servers a traced engine's connectors reach (kvtrace.servers.tiers): found when
 attach finds the engine, traced with it (their processes' kernel I/O: an `fs` L2's reads and
 writes), named in the dataset's `tiers` table and on stderr, their own metrics scraped into
-`tier_metrics` (inside their network namespace)."""
+`tier_metrics` (inside their network namespace), and their kind's hook injected for the capture
+(tier_lookup, tier_op records; taken out at the end)."""
 from __future__ import annotations
 
 import os
@@ -31,7 +32,8 @@ def table(found: list):
 
     now = time.monotonic_ns()
     rows = [{"ts_ns": now, "kind": t.kind, "pid": t.pid, "address": t.host, "port": t.port, "connector": t.connector,
-             "version": t.version, "storage": ",".join(t.storage), "same_netns": t.same_netns} for t in found]
+             "version": t.version, "storage": ",".join(t.storage), "chunk_tokens": t.chunk_tokens,
+             "same_netns": t.same_netns} for t in found]
     return pa.Table.from_pylist(rows, schema=schema.TABLES["tiers"])
 
 
@@ -61,3 +63,53 @@ def _netns(pid) -> int | None:
         return os.stat(f"/proc/{pid}/ns/net").st_ino
     except OSError:
         return None
+
+
+class TierHooks:
+    """The tier servers this capture injected a hook into; ``uninstall()`` takes it out."""
+
+    def __init__(self):
+        self.installed: list[tuple[int, str]] = []   # (pid, hook module)
+
+    def uninstall(self) -> None:
+        from kvtrace.errors import KvtraceError  # lazy: as above
+        from kvtrace.inject import injector  # lazy: as above
+
+        for pid, module in self.installed:
+            if os.path.exists(f"/proc/{pid}"):
+                try:
+                    injector.hook(pid, "uninstall", module=module)
+                except KvtraceError:
+                    pass   # it leaves by itself once this agent is gone
+
+
+def inject(found: list, enabled: bool, usermark: bool, echo, flag=None) -> TierHooks | None:
+    """Inject each tier server's hook (not with --no-inject or without the usermark probe)."""
+    if not found or not enabled or not usermark:
+        return None
+    from kvtrace.errors import KvtraceError  # lazy: start-up cost: the CLI imports attach's options for every command
+    from kvtrace.host.confined import UnsafePath  # lazy: as above
+    from kvtrace.inject import injector  # lazy: as above
+    from kvtrace.servers import tiers  # lazy: as above
+
+    hooks = TierHooks()
+    for t in found:
+        kind = tiers.TIERS[t.kind]
+        if not kind.hook_module:
+            continue
+        try:
+            if flag is not None:
+                flag.add_root(f"/proc/{t.pid}/root")
+            rep = injector.hook(t.pid, "install", module=kind.hook_module)
+        except (KvtraceError, UnsafePath) as e:
+            echo(f"kvtrace: {kind.title} signals missing in its server {t.pid}: {e}")
+            continue
+        status = rep.get("status") or {}
+        if rep.get("installed"):
+            if not rep.get("reused"):
+                hooks.installed.append((t.pid, kind.hook_module))
+            echo(f"kvtrace: {kind.title} hook {'already active' if rep.get('reused') else 'injected'} in its server {t.pid}")
+        else:
+            why = f"the hook failed to load: {rep['error']}" if rep.get("error") else status.get("reason", "?")
+            echo(f"kvtrace: {kind.title} signals missing in its server {t.pid}: {why}")
+    return hooks

@@ -90,7 +90,7 @@ TABLES: dict[str, pa.Schema] = {
     ]),
     "tiers": pa.schema([
         ("ts_ns", u64), ("kind", d), ("pid", u32), ("address", s), ("port", u32), ("connector", s),
-        ("version", s), ("storage", s), ("same_netns", pa.bool_()),
+        ("version", s), ("storage", s), ("chunk_tokens", u32), ("same_netns", pa.bool_()),
     ]),
     # ---- NVMe(-oF), transport and NIC tables (probes nvme/tcp/rdma, kvtrace.fabric) ----
     # One row per NVMe command attempt (sampled under load: weight = commands it stands for).

@@ -135,6 +135,17 @@ RECORDS: dict[int, tuple[str, list[tuple[str, str]]]] = {
                       ("layer_waits", "I"), ("wait_ns", "Q"), ("save_start_ns", "Q"), ("save_end_ns", "Q"),
                       ("loaded", "B"), ("source", "s"), ("save_layers", "I"), ("save_layer_ns", "Q"),
                       ("save_first_ns", "Q")]),
+    # Inside a KV tier's own server (kvtrace.hook.lmcache; `tier` names its kind): a lookup the
+    # engine made for `request`, done: its chunks (per key row), those L1 held, those loaded from
+    # L2, and the indices of the L2 ones (the chunk index times the tier's chunk size is a token).
+    26: ("tier_lookup", [("t_ns", "Q"), ("request", "s"), ("chunks", "I"), ("l1", "I"), ("l2", "I"),
+                         ("l2_chunks", "U"), ("tier", "s")]),
+    # One operation of the tier: op "l2_read" (an L2 load, disk -> memory, for the lookup of
+    # `request`), "l2_write" (memory -> disk; no request), "retrieve" (memory -> the engine),
+    # "store" (the engine -> memory), "evict" (keys its memory tier dropped).  keys or tokens,
+    # bytes, ok = 0 when it failed.
+    27: ("tier_op", [("t_start_ns", "Q"), ("t_end_ns", "Q"), ("request", "s"), ("op", "s"), ("keys", "I"),
+                     ("tokens", "I"), ("nbytes", "Q"), ("ok", "B"), ("tier", "s")]),
 }
 
 EVICTS_MAX = 200  # evictions per `evicts` record (3,200 bytes of blocks: one record fits a frame)

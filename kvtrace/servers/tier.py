@@ -17,8 +17,10 @@ class TierKind:
     endpoint: Callable         # endpoint(connector's extra config: dict) -> (host, port) it connects to
     recognise: Callable        # recognise(argv) -> the port the server listens on, or None: not this kind
     storage: Callable          # storage(argv) -> ["fs:/dir", ...]: what its lower tiers are, from its options
+    chunk_size: Callable       # chunk_size(argv) -> tokens per stored chunk (its unit of storage)
     metrics: Callable          # metrics(argv) -> the URL of its Prometheus metrics inside its network namespace, or None
     metrics_prefix: str        # its series' prefix ("lmcache_")
+    hook_module: str = ""      # the hook injected into its server (install()/uninstall()), if any
 
 
 @dataclass
@@ -33,5 +35,6 @@ class TierInfo:
     connector: str             # the engine's connector that reaches it
     version: str | None
     storage: list[str]
+    chunk_tokens: int          # tokens per chunk it stores (a partial chunk is never stored)
     same_netns: bool           # in the engine's network namespace (else: found by its port elsewhere)
     metrics_url: str | None = None   # its own metrics (scraped into tier_metrics), inside its network namespace

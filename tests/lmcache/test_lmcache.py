@@ -181,12 +181,13 @@ def test_lmcache_loads_from_disk(run):
     files = run["files"]
     assert len(files) == PREFIX // CHUNK and set(files.values()) == {CHUNK_BYTES}, files
     assert run["files1"] == files   # round 2 stored nothing new
-    # round 2's prefetches found every chunk in L2 only (skip_l1), and LMCache's own metrics agree.
-    # LMCache prefetches a request's chunks at its lookup, before vLLM has used its own cache: p1
-    # and p2 read the prefix from disk too (6 chunks read for the 2 that p0 loaded)
+    # round 2's first prefetch found the prefix in L2 only (skip_l1), and LMCache's own metrics
+    # agree.  LMCache prefetches a request's chunks at its lookup, before vLLM has used its own
+    # cache: p1 and p2 read the prefix again, from disk, or from L1 while p0's prefetched copies
+    # are still there (they are freed once retrieved)
     pre = [tuple(int(x) for x in m) for m in PREFETCHED.findall(run["log2"])]
     l2_keys = sum(p[3] for p in pre)
-    assert pre and all(p[2] == 0 for p in pre) and l2_keys >= PREFIX // CHUNK, run["log2"][-3000:]
+    assert pre and pre[0][2:] == (0, PREFIX // CHUNK) and l2_keys >= PREFIX // CHUNK, run["log2"][-3000:]
     # the server read them with O_DIRECT: its read_bytes rose by what it loaded (exactly, here;
     # at least, so that a module it imports meanwhile cannot fail the test)
     io1, io2 = run["io"]
@@ -243,7 +244,7 @@ def test_the_tier_servers_disk_io_as_the_kernel_saw_it(run, lmcache_server):
     (tier,) = ds.table("tiers").to_pylist()
     assert (tier["kind"], tier["pid"], tier["port"], tier["connector"], tier["version"], tier["same_netns"]) == \
         ("lmcache", lmc.pid, lmc.port, "LMCacheMPConnector", "0.5.6", True)
-    assert tier["storage"] == f"fs:{lmc.l2_dir}"
+    assert tier["storage"] == f"fs:{lmc.l2_dir}" and tier["chunk_tokens"] == CHUNK
     assert f"tracing LMCache's server (pid {lmc.pid}" in run["stderr"]
     rows = [r for r in ds.table("file_io").to_pylist()
             if r["pid"] == lmc.pid and (r["path"] or "").startswith(str(lmc.l2_dir) + "/") and r["ret"] > 0]
@@ -299,3 +300,38 @@ def test_each_requests_row_and_span_carry_the_tier_it_loaded_from(run):
     keys = ("kvtrace.request.kv_connector", "kvtrace.request.connector_load_tokens",
             "kvtrace.request.connector_load_bytes", "kvtrace.request.connector_load_wait_ns")
     assert {n: tuple(s.attrs[k] for k in keys) for n, s in spans.items()} == want
+
+
+def test_the_hook_in_lmcaches_server_sees_each_lookup_load_and_store(run, lmcache_server):
+    """kvtrace's hook injected in LMCache's server: each lookup's L1/L2 hits as LMCache logged
+    them, the L2 reads (disk -> L1) of the round-2 lookups as the kernel saw them, the one
+    retrieve (L1 -> vLLM) of p0's load, the stores and L2 writes as LMCache logged and wrote them."""
+    lmc, ds = lmcache_server, run["ds"]
+    assert f"LMCache hook injected in its server {lmc.pid}" in run["stderr"], run["stderr"][-2000:]
+    admit_ids = {a["request"].split("-")[1]: a["request"] for a in ds.table("admit").to_pylist()}
+    lookups = sorted(ds.table("tier_lookup").to_pylist(), key=lambda r: r["t_ns"])
+    logged = [tuple(int(x) for x in m) for m in PREFETCHED.findall(run["log1"] + run["log2"])]
+    assert [(r["l1"] + r["l2"], r["chunks"], r["l1"], r["l2"]) for r in lookups if r["l1"] + r["l2"]] == logged
+    assert {r["request"] for r in lookups} <= set(admit_ids.values()) and all(r["tier"] == "lmcache" for r in lookups)
+    # ... and LMCache's own counters (every lookup since it started was made while attached)
+    _lm1, lm2 = run["lm"]
+    assert (sum(r["l1"] for r in lookups), sum(r["l2"] for r in lookups)) == \
+        (lm2["lmcache_mp_lookup_hit_l1_keys_total"], lm2["lmcache_mp_lookup_hit_l2_keys_total"])
+    ops = ds.table("tier_op").to_pylist()
+    by = collections.defaultdict(list)
+    for o in ops:
+        by[o["op"]].append(o)
+    # L2 reads: every one for a lookup of a request, all ok; round 2's bytes = what the kernel saw read
+    t2, t3 = run["round2"]
+    assert by["l2_read"] and all(o["request"] in admit_ids.values() and o["ok"] == 1 for o in by["l2_read"])
+    l2_keys = sum(int(m[3]) for m in PREFETCHED.findall(run["log2"]))
+    assert sum(o["nbytes"] for o in by["l2_read"] if t2 <= o["t_start_ns"] <= t3) == l2_keys * CHUNK_BYTES
+    assert sum(o["keys"] for o in by["l2_read"]) == sum(m[3] for m in logged)
+    # the retrieve: p0 of round 2, its 512 tokens, their 2 chunks' bytes and the pickle around them
+    (ret,) = by["retrieve"]
+    assert (ret["request"], ret["tokens"], ret["ok"]) == (admit_ids["r2p0"], PREFIX, 1)
+    assert 2 * CHUNK_BYTES <= ret["nbytes"] < 2 * CHUNK_BYTES + 65536
+    # stores: the tokens LMCache logged as stored; L2 writes: the files on disk
+    assert sum(o["tokens"] for o in by["store"] if o["ok"]) == sum(int(n) for n in STORED.findall(run["log1"]))
+    assert sum(o["nbytes"] for o in by["l2_write"]) == sum(run["files"].values())
+    assert sum(o["keys"] for o in by["l2_write"]) == len(run["files"])

@@ -52,6 +52,14 @@ def storage(argv: list[str]) -> list[str]:
     return out
 
 
+def chunk_size(argv: list[str]) -> int:
+    """Tokens per chunk (--chunk-size, 256 by default): LMCache stores whole chunks only."""
+    try:
+        return int(_arg(argv, "--chunk-size") or 256)
+    except ValueError:
+        return 256
+
+
 def metrics(argv: list[str]) -> str | None:
     """Its Prometheus endpoint (pull mode, on every interface at --prometheus-port, 9090 by
     default); None when its metrics are off or pushed over OTLP instead."""
@@ -64,4 +72,5 @@ def metrics(argv: list[str]) -> str | None:
 
 
 TIER = TierKind(name="lmcache", title="LMCache", package="lmcache", connectors=("LMCacheMPConnector",),
-                endpoint=endpoint, recognise=recognise, storage=storage, metrics=metrics, metrics_prefix="lmcache_")
+                endpoint=endpoint, recognise=recognise, storage=storage, chunk_size=chunk_size, metrics=metrics, metrics_prefix="lmcache_",
+                hook_module="kvtrace.hook.lmcache.hook")

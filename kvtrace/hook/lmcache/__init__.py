@@ -1,0 +1,1 @@
+"""The hook inside LMCache's multiprocess server (kvtrace.hook.lmcache.hook)."""
