@@ -63,6 +63,19 @@ def test_vllm_demo_report_matches_its_workload_and_dataset(tmp_path):
     loads = [r for r in ds.table("kv_load").to_pylist() if r["request"].startswith("cmpl-again-g0-r0-")]
     assert len(evicts) == sum(int(m[7]) for m in rows.values())
     assert sum(r["nbytes"] for r in loads) == int(again[8].replace(",", ""))
+    # the same from vLLM's scheduler alone (any connector; kv_alloc): per request with an external
+    # hit, its tokens, blocks and bytes, equal to what kvtrace's file connector reported itself
+    allocs = {r["request"]: r for r in ds.table("kv_alloc").to_pylist()}
+    own = {}
+    for r in ds.table("kv_load").to_pylist():
+        if r["request"]:
+            b, n = own.get(r["request"], (0, 0))
+            own[r["request"]] = (b + r["blocks"], n + r["nbytes"])
+    assert {rid: (a["blocks"], a["nbytes"]) for rid, a in allocs.items()} == own
+    assert all(a["connector"] == "KvtraceFileConnector" and a["async"] == 0 and a["external"] == a["blocks"] * BLOCK
+               for a in allocs.values())
+    ext = {r["request"]: r["cached_external"] for r in ds.table("admit").to_pylist() if r["cached_external"]}
+    assert {rid: a["external"] for rid, a in allocs.items()} == ext
     assert f"dataset: {out}" in p.stdout
     # vLLM's own accounts, recorded beside the hook's: its /metrics counters rose by the report's
     # local and loaded-back tokens, and its KV-event stream removed as many blocks as were evicted
