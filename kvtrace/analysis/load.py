@@ -91,9 +91,19 @@ COLUMNS: dict[str, list[tuple[str, str, str]]] = {
                   ("connector", "connector", "S")],
     "kv_invalid": [("pid", "pid", "I"), ("step", "step", "I"), ("t_ns", "t_ns", "I"), ("request", "request", "S"),
                    ("blocks", "blocks", "I"), ("connector", "connector", "S")],
+    # a KV tier's own server (the hook inside it) and the tier servers attach found (kvtrace.analysis.tier)
+    "tier_lookup": [("pid", "pid", "I"), ("t_ns", "t_ns", "I"), ("request", "request", "S"),
+                    ("chunks", "n_chunks", "I"), ("l1", "l1_hits", "I"), ("l2", "l2_hits", "I"),
+                    ("l2_chunks", "l2_idx", "HL"), ("tier", "tier", "S")],
+    "tier_op": [("pid", "pid", "I"), ("t_start_ns", "t_start_ns", "I"), ("t_end_ns", "t_end_ns", "I"),
+                ("request", "request", "S"), ("op", "op", "S"), ("keys", "n_keys", "I"), ("tokens", "tokens", "I"),
+                ("nbytes", "nbytes", "I"), ("ok", "ok", "I"), ("tier", "tier", "S")],
+    "tiers": [("ts_ns", "ts_ns", "I"), ("kind", "kind", "S"), ("pid", "pid", "I"), ("port", "port", "I"),
+              ("connector", "connector", "S"), ("version", "version", "S"), ("storage", "storage", "S"),
+              ("chunk_tokens", "chunk_tokens", "I")],
 }
 HOOK_TABLES = ("step", "chunk", "admit", "evict", "preempt", "kv_load", "kv_store", "arrive", "finish", "prompt_blocks",
-               "kv_alloc", "kv_done", "kv_finish", "kv_invalid")
+               "kv_alloc", "kv_done", "kv_finish", "kv_invalid", "tier_lookup", "tier_op")
 # Without these there is nothing of vLLM to analyse.
 REQUIRED = ("step", "chunk", "admit")
 

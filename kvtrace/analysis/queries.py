@@ -8,7 +8,7 @@ multi-row result, no engine-specific functions except regexp_extract (same in bo
 """
 from __future__ import annotations
 
-from kvtrace.analysis import connector
+from kvtrace.analysis import connector, tier
 
 READS = "('read', 'pread64', 'readv', 'preadv', 'preadv2')"
 STORAGE_PATH = ("path LIKE '/%' AND NOT (path LIKE '/proc/%' OR path LIKE '/sys/%' OR "
@@ -37,7 +37,7 @@ LAZY = {"fread"}
 def views(default_block_size: int = 0) -> list[tuple[str, str]]:
     """(name, SELECT) in creation order."""
     return [*_record_views(), *_block_size_views(default_block_size), *_timing_views(), *_reuse_views(),
-            *connector.VIEWS]
+            *connector.VIEWS, *tier.VIEWS]
 
 
 def _record_views() -> list[tuple[str, str]]:
@@ -391,4 +391,6 @@ FIGURES: dict[str, str] = {
         GROUP BY kind, name ORDER BY COALESCE(kind, ''), name""",
     # ---- the KV connector as the scheduler sees it, and vLLM's hit counters against kvtrace's ----
     **connector.FIGURES,
+    # ---- a KV tier's own server: which tier served each prompt token, and each hop's cost ----
+    **tier.FIGURES,
 }

@@ -10,7 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kvtrace.analysis import connector, load, queries
+from kvtrace.analysis import connector, load, queries, tier
 from kvtrace.analysis.engine import make
 from kvtrace.errors import DatasetError
 from kvtrace.servers import registry
@@ -158,6 +158,9 @@ def build(rows: dict[str, list[dict]], inp: load.Inputs) -> dict:
     conn = connector.section(rows)
     if conn is not None:    # only a dataset with connector records has the section
         rep["connector"] = conn
+    tiers = tier.section(rows, rep["reload_vs_recompute"]["recompute"], rep["block_size"])
+    if tiers is not None:   # only a dataset with a tier server's records has the section
+        rep["tier"] = tiers
     rep["service"] = _service(rows, one, pt, gaps)
     rep["metrics"] = metrics_note(rows["metrics"], reuse)
     rep["verdict"] = verdict(rep)
@@ -173,10 +176,13 @@ def _normalised(rep: dict) -> dict:
     (ratios rounded where they are made) and are kept as they are."""
     big = {"per_request": rep["reuse"].pop("per_request"), "per_chunk": rep["timing"].pop("per_chunk"),
            "ttft_per_request": rep["service"].pop("ttft_per_request"), "miss_requests": rep["misses"].pop("per_request"),
-           "loads": rep["connector"].pop("per_request") if "connector" in rep else None}
+           "loads": rep["connector"].pop("per_request") if "connector" in rep else None,
+           "tier": rep["tier"].pop("per_request") if "tier" in rep else None}
     rep = _norm(rep)
     if big["loads"] is not None:
         rep["connector"]["per_request"] = big["loads"]
+    if big["tier"] is not None:
+        rep["tier"]["per_request"] = big["tier"]
     rep["reuse"]["per_request"] = big["per_request"]
     rep["misses"]["per_request"] = big["miss_requests"]
     rep["timing"]["per_chunk"] = big["per_chunk"]
@@ -530,7 +536,7 @@ def headline(rep: dict, kinds: list) -> list[str]:
     if r["hit_rate"] is not None:
         out.append(f"KV reuse: {100 * r['hit_rate']:.2f}% of {r['prompt_tokens']:,} prompt tokens hit at admission "
                    f"({100 * (r['local_rate'] or 0):.2f}% local prefix cache, {100 * (r['external_rate'] or 0):.2f}% storage)")
-    out += connector.lines(rep.get("connector")) + rep.get("warnings", [])
+    out += connector.lines(rep.get("connector")) + tier.lines(rep.get("tier")) + rep.get("warnings", [])
     m = rep["misses"]
     if m["tokens"]:
         top = sorted(((v, k) for k, v in m["first"].items() if k.startswith("miss_") and v), reverse=True)

@@ -234,6 +234,17 @@ def test_the_connectors_load_and_ends_as_vllms_scheduler_drove_them(run, kvtrace
     assert (conn["external_tokens"], conn["bytes"], conn["async_loads"], conn["failed_loads"]) == \
         (PREFIX, alloc["nbytes"], 1, 0), conn
     assert not rep.get("warnings"), rep.get("warnings")
+    # which tier served each prompt token: vLLM's own cache (device), LMCache's L1 or L2, recomputed;
+    # r2p0's 512 came from the L2 files (its lookup's L2 chunks), with its disk read and retrieve
+    per = {name(r): r for r in rep["tier"]["per_request"]}
+    assert set(per) == set(sent)
+    for n, r in per.items():
+        assert r["device"] == admit[n]["cached_local"] and r["tier_l1"] + r["tier_l2"] == admit[n]["cached_external"]
+        assert r["device"] + r["tier_l1"] + r["tier_l2"] + r["recomputed"] == PROMPT
+        assert r["partial_chunk_tokens"] == PROMPT % CHUNK
+    assert (per["r2p0"]["tier_l2"], per["r2p0"]["l2_chunks"], per["r2p0"]["retrieve_bytes"] >= 2 * CHUNK_BYTES) == \
+        (PREFIX, [0, 1], True)
+    assert per["r2p0"]["l2_read_bytes"] >= 2 * CHUNK_BYTES and per["r2p0"]["l2_read_ms"] > 0
 
 
 def test_the_tier_servers_disk_io_as_the_kernel_saw_it(run, lmcache_server):
