@@ -96,7 +96,7 @@ COLUMNS: dict[str, list[tuple[str, str, str]]] = {
                     ("chunks", "n_chunks", "I"), ("l1", "l1_hits", "I"), ("l2", "l2_hits", "I"),
                     ("l2_chunks", "l2_idx", "HL"), ("tier", "tier", "S")],
     "tier_op": [("pid", "pid", "I"), ("t_start_ns", "t_start_ns", "I"), ("t_end_ns", "t_end_ns", "I"),
-                ("request", "request", "S"), ("op", "op", "S"), ("keys", "n_keys", "I"), ("tokens", "tokens", "I"),
+                ("request", "request", "S"), ("op", "op", "S"), ("keys", "n_keys", "I"), ("num_tokens", "num_tokens", "I"),
                 ("nbytes", "nbytes", "I"), ("ok", "ok", "I"), ("tier", "tier", "S")],
     "tiers": [("ts_ns", "ts_ns", "I"), ("kind", "kind", "S"), ("pid", "pid", "I"), ("port", "port", "I"),
               ("connector", "connector", "S"), ("version", "version", "S"), ("storage", "storage", "S"),

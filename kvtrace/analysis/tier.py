@@ -22,7 +22,7 @@ VIEWS: list[tuple[str, str]] = [
     ("tierlk", """SELECT run, pid, t_ns, request, n_chunks, l1_hits, l2_hits, l2_idx, tier
               FROM (SELECT l.*, ROW_NUMBER() OVER (PARTITION BY run, pid, request, t_ns
               ORDER BY n_chunks, l1_hits, l2_hits) AS rn FROM tier_lookup l) t WHERE rn = 1"""),
-    ("tierop", "SELECT DISTINCT run, pid, t_start_ns, t_end_ns, request, op, n_keys, tokens, nbytes, ok, tier FROM tier_op"),
+    ("tierop", "SELECT DISTINCT run, pid, t_start_ns, t_end_ns, request, op, n_keys, num_tokens AS tokens, nbytes, ok, tier FROM tier_op"),
     ("tierct", f"""SELECT r.run, COALESCE(MAX(t.chunk_tokens), {DEFAULT_CHUNK_TOKENS}) AS ct, COUNT(t.chunk_tokens) AS stated
               FROM (SELECT run FROM tierlk UNION SELECT run FROM tierop) r
               LEFT JOIN (SELECT run, chunk_tokens FROM tiers WHERE chunk_tokens > 0) t ON t.run = r.run

@@ -142,10 +142,10 @@ RECORDS: dict[int, tuple[str, list[tuple[str, str]]]] = {
                          ("l2_chunks", "U"), ("tier", "s")]),
     # One operation of the tier: op "l2_read" (an L2 load, disk -> memory, for the lookup of
     # `request`), "l2_write" (memory -> disk; no request), "retrieve" (memory -> the engine),
-    # "store" (the engine -> memory), "evict" (keys its memory tier dropped).  keys or tokens,
+    # "store" (the engine -> memory), "evict" (keys its memory tier dropped).  keys or num_tokens,
     # bytes, ok = 0 when it failed.
     27: ("tier_op", [("t_start_ns", "Q"), ("t_end_ns", "Q"), ("request", "s"), ("op", "s"), ("keys", "I"),
-                     ("tokens", "I"), ("nbytes", "Q"), ("ok", "B"), ("tier", "s")]),
+                     ("num_tokens", "I"), ("nbytes", "Q"), ("ok", "B"), ("tier", "s")]),
 }
 
 EVICTS_MAX = 200  # evictions per `evicts` record (3,200 bytes of blocks: one record fits a frame)

@@ -340,9 +340,9 @@ def test_the_hook_in_lmcaches_server_sees_each_lookup_load_and_store(run, lmcach
     assert sum(o["keys"] for o in by["l2_read"]) == sum(m[3] for m in logged)
     # the retrieve: p0 of round 2, its 512 tokens, their 2 chunks' bytes and the pickle around them
     (ret,) = by["retrieve"]
-    assert (ret["request"], ret["tokens"], ret["ok"]) == (admit_ids["r2p0"], PREFIX, 1)
+    assert (ret["request"], ret["num_tokens"], ret["ok"]) == (admit_ids["r2p0"], PREFIX, 1)
     assert 2 * CHUNK_BYTES <= ret["nbytes"] < 2 * CHUNK_BYTES + 65536
     # stores: the tokens LMCache logged as stored; L2 writes: the files on disk
-    assert sum(o["tokens"] for o in by["store"] if o["ok"]) == sum(int(n) for n in STORED.findall(run["log1"]))
+    assert sum(o["num_tokens"] for o in by["store"] if o["ok"]) == sum(int(n) for n in STORED.findall(run["log1"]))
     assert sum(o["nbytes"] for o in by["l2_write"]) == sum(run["files"].values())
     assert sum(o["keys"] for o in by["l2_write"]) == len(run["files"])

@@ -314,7 +314,7 @@ def test_flush_loop_leaves_the_disk_full_line_to_the_cli():
         def check(self, source, watch=None):
             return None
 
-    cap = SimpleNamespace(quiet=True, plan=SimpleNamespace(attached=[]), inject=False, flush_interval=0.1,
+    cap = SimpleNamespace(quiet=True, plan=SimpleNamespace(attached=[]), inject=False, flush_interval=0.1, tiers=[],
                           on_restart=None, out="/x")
     said: list[str] = []
     with pytest.raises(OutputError):

@@ -149,7 +149,7 @@ def test_a_lookup_its_l2_read_and_the_retrieve_name_the_engines_request(received
     read, ret = sorted(got["tier_op"], key=lambda r: r["t_start_ns"])
     assert (read["op"], read["request"], read["keys"], read["nbytes"], read["ok"]) == ("l2_read", "cmpl-a-0-1", 4, 4000, 1)
     assert read["t_end_ns"] - read["t_start_ns"] >= 2_000_000
-    assert (ret["op"], ret["request"], ret["tokens"], ret["nbytes"], ret["ok"]) == ("retrieve", "cmpl-a-0-1", 768, 1000, 1)
+    assert (ret["op"], ret["request"], ret["num_tokens"], ret["nbytes"], ret["ok"]) == ("retrieve", "cmpl-a-0-1", 768, 1000, 1)
 
 
 def test_stores_writes_failures_and_evictions(received):
@@ -161,7 +161,7 @@ def test_stores_writes_failures_and_evictions(received):
         asyncio.run(fs._execute_store(["bad"], [Obj(5)], 2))
     asyncio.run(fs._execute_load(["x", "missing"], [Obj(7), Obj(7)], 3))   # a task no lookup made: no request
     L1EvictionController().execute_eviction_action(NS(keys=["a", "b", "c"]))
-    ops = sorted(((r["op"], r["request"], r["keys"], r["tokens"], r["nbytes"], r["ok"]) for r in received()["tier_op"]))
+    ops = sorted(((r["op"], r["request"], r["keys"], r["num_tokens"], r["nbytes"], r["ok"]) for r in received()["tier_op"]))
     assert ops == [("evict", "", 3, 0, 0, 1), ("l2_read", "", 2, 0, 14, 0), ("l2_write", "", 1, 0, 5, 0),
                    ("l2_write", "", 2, 0, 30, 1), ("store", "r", 0, 256, 500, 0), ("store", "r", 0, 256, 500, 1)]
 

@@ -54,7 +54,7 @@ def lookup(t_ns, request, chunks, l1, l2_chunks):
 
 
 def op(t0, t1, request, name, keys=0, tokens=0, nbytes=0, ok=1):
-    return fx.hook({"t_start_ns": t0, "t_end_ns": t1, "request": request, "op": name, "keys": keys, "tokens": tokens,
+    return fx.hook({"t_start_ns": t0, "t_end_ns": t1, "request": request, "op": name, "keys": keys, "num_tokens": tokens,
                     "nbytes": nbytes, "ok": ok, "tier": "lmcache"}, pid=TIER_PID)
 
 
@@ -222,7 +222,7 @@ def test_tier_side_totals(rep):
         mine = [o for o in OPS if o["op"] == name]
         durs = sorted(o["t_end_ns"] - o["t_start_ns"] for o in mine)
         assert t["ops"][name] == {"count": len(mine), "keys": sum(o["keys"] for o in mine),
-                                  "tokens": sum(o["tokens"] for o in mine), "bytes": sum(o["nbytes"] for o in mine),
+                                  "tokens": sum(o["num_tokens"] for o in mine), "bytes": sum(o["nbytes"] for o in mine),
                                   "ms": ms(sum(durs)), "p50_ms": ms(durs[(len(durs) + 1) // 2 - 1]),
                                   "max_ms": ms(durs[-1]), "failed": sum(1 for o in mine if not o["ok"])}, name
     once = {(x["request"], x["t_ns"]): x for x in LOOKUPS}.values()

@@ -402,6 +402,7 @@ SELFTEST = textwrap.dedent(r'''
         def bind_connector_metadata(self, connector_metadata): self.md = connector_metadata
         def start_load_kv(self, forward_context, **kwargs): time.sleep(0.002)
         def wait_for_layer_load(self, layer_name): time.sleep(0.001)
+        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs): time.sleep(0.001)
         def wait_for_save(self):
             if getattr(self, "fail", False): raise KeyError("connector's own error")
             time.sleep(0.001)
@@ -416,7 +417,8 @@ SELFTEST = textwrap.dedent(r'''
 
     def step(layers=2):
         c.bind_connector_metadata("md"); c.start_load_kv(None)
-        for i in range(layers): c.wait_for_layer_load(f"layer{i}")
+        for i in range(layers):
+            c.wait_for_layer_load(f"layer{i}"); c.save_kv_layer(f"layer{i}", None, None)
         c.wait_for_save()
 
     def drain():
@@ -486,7 +488,7 @@ def test_mismatch_leaves_vllm_untouched(selftest):
 
 
 def test_install_idempotent_and_uninstall_restores(selftest):
-    assert selftest["installed"] and selftest["n_patched"] == 6
+    assert selftest["installed"] and selftest["n_patched"] == 8   # 7 engine methods, the connector factory
     assert selftest["again"], "a second install() changed the patches"
     assert selftest["hot_out"] == ["allocate_slots", "_maybe_evict_cached_block"], "per-call wrappers left in, detached"
     assert selftest["hot_in"], "an attach did not put the per-call wrappers back"
@@ -500,15 +502,19 @@ def test_worker_connector_and_api_records(selftest):
     assert selftest["sends"] == [True, 0, True], "worker steps are not sent at most every FLUSH_EVERY_NS"
     assert selftest["later_head"] == [["thread", {"tid": selftest["my_tid"]}]]
     sent = collections.Counter(n for n, _ in selftest["records"])
-    assert sent["kv_step"] == 3 and sent["kv_store"] == 0, "not one kv_step record per Worker step"
-    # the rows the agent stores (usermark.records expands each kv_step the same way)
-    recs = [x for n, r in selftest["records"] for x in (kv_step_rows(r) if n == "kv_step" else [(n, r)])]
+    assert sent["kv_step2"] == 3 and sent["kv_store"] == 0, "not one kv_step2 record per Worker step"
+    # the rows the agent stores (usermark.records expands each kv_step2 the same way)
+    recs = [x for n, r in selftest["records"] for x in (kv_step_rows(r) if n == "kv_step2" else [(n, r)])]
     kinds = collections.Counter(n for n, _ in recs)
     assert kinds["hook_start"] == 1 and [r for n, r in recs if n == "hook_start"][0]["role"] == "worker"
     loads = [r for n, r in recs if n == "kv_load" and r["source"] == "connector:Connector"]
     stores = [r for n, r in recs if n == "kv_store"]
     # three steps: two layer waits, none, two (the last one's wait_for_save raised)
     assert [r["layer_waits"] for r in loads] == [2, 0, 2] and len(stores) == 3
+    # the stores: from the first save_kv_layer, with those calls' count and time inside
+    assert [r["layer_waits"] for r in stores] == [2, 0, 2]
+    assert all(r["wait_ns"] >= 2_000_000 and r["t_end_ns"] - r["t_start_ns"] >= r["wait_ns"]
+               for r in stores if r["layer_waits"])
     for r in loads:
         assert r["t_start_ns"] < r["t_issue_end_ns"] <= r["t_end_ns"]
         assert r["t_issue_end_ns"] - r["t_start_ns"] >= 2_000_000
