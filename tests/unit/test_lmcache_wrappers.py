@@ -6,18 +6,13 @@ same against a real LMCache server: tests/lmcache/test_lmcache.py.)"""
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-import struct
-import time
 from types import SimpleNamespace as NS
 
 import pytest
 
-from kvtrace.capture import events, usermark
-from kvtrace.capture.events import DecodeContext
 from kvtrace.hook import state
 from kvtrace.hook.lmcache import hook, tier
+from tests import hookframes
 
 
 class Bitmap:
@@ -89,42 +84,14 @@ for _label, _factory in hook.WRAPPERS.items():
     setattr(STANDINS[_cls], _name, _factory(STANDINS[_cls].__dict__[_name]))
 
 
-def as_marker(frame: bytes) -> bytes:
-    head = usermark.HDR.pack(events.KIND_USER, 1, 32 + len(frame), 0, 1, 42, 43)
-    return head + struct.pack("<II", len(frame), 0) + frame
-
-
 @pytest.fixture
 def received(tmp_path, monkeypatch):
-    """Records the agent decodes, by table, from every frame the hook sent (sent now)."""
-    flag = tmp_path / "agents"
-    flag.mkdir()
-    (flag / str(os.getpid())).write_text(f"{os.getpid()}\n")
-    rx, tx = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    rx.setblocking(False)
-    monkeypatch.setattr(state.T, "flag_path", str(flag))
-    monkeypatch.setattr(state.T, "mark_fd", tx.fileno())
+    """Records the agent decodes, by table, from every frame the hook sent (after its timer's send)."""
     monkeypatch.setattr(tier.G, "version", "0.5.6")
-    state.T.enabled, state.T.next_check = False, 0
     tier.G.reset()
-    state._Q.clear()
-
-    def records() -> dict[str, list[dict]]:
-        time.sleep(0.25)   # the timer's send
-        state._flush(time.monotonic_ns())
-        frames = []
-        while True:
-            try:
-                frames.append(as_marker(rx.recv(1 << 16)))
-            except BlockingIOError:
-                return usermark.records(frames, DecodeContext())
-
-    yield records
+    with hookframes.receiver(tmp_path, monkeypatch, settle=0.25) as records:
+        yield records
     tier.G.reset()
-    state._Q.clear()
-    state.T.enabled, state.T.next_check = False, 0
-    rx.close()
-    tx.close()
 
 
 def test_a_lookup_its_l2_read_and_the_retrieve_name_the_engines_request(received):

@@ -7,19 +7,15 @@ against a real SGLang server: tests/sglang/test_sglang.py.)"""
 from __future__ import annotations
 
 import hashlib
-import os
-import socket
 import struct
-import time
 from types import SimpleNamespace as NS
 
 import pytest
 
-from kvtrace.capture import events, usermark
-from kvtrace.capture.events import DecodeContext
 from kvtrace.hook import state
 from kvtrace.hook.sglang import engine as sg
 from kvtrace.hook.sglang import hook as sglang_hook
+from tests import hookframes
 
 
 def digests(tokens, salt=None) -> list[bytes]:
@@ -207,44 +203,17 @@ for _label, _wrap in sglang_hook.WRAPPERS.items():     # what install() patches 
 
 
 # ---------------------------------------------------------------------------------------------
-# The agent: a flag entry naming this process, marker writes received on a socket
-
-
-def as_marker(frame: bytes) -> bytes:
-    head = usermark.HDR.pack(events.KIND_USER, 1, 32 + len(frame), 0, 1, 42, 43)
-    return head + struct.pack("<II", len(frame), 0) + frame
+# The agent: a flag entry naming this process, marker writes received (tests/hookframes.py)
 
 
 @pytest.fixture
 def received(tmp_path, monkeypatch):
     """Records the agent decodes, by table, from every frame the hook sent (sent now)."""
-    flag = tmp_path / "agents"
-    flag.mkdir()
-    (flag / str(os.getpid())).write_text(f"{os.getpid()}\n")
-    rx, tx = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    rx.setblocking(False)
-    monkeypatch.setattr(state.T, "flag_path", str(flag))
-    monkeypatch.setattr(state.T, "mark_fd", tx.fileno())
     monkeypatch.setattr(sg.G, "version", "0.5.23")
-    state.T.enabled, state.T.next_check = False, 0
     sg.G.reset()
-    state._Q.clear()
-
-    def records() -> dict[str, list[dict]]:
-        state._flush(time.monotonic_ns())
-        frames = []
-        while True:
-            try:
-                frames.append(as_marker(rx.recv(1 << 16)))
-            except BlockingIOError:
-                return usermark.records(frames, DecodeContext())
-
-    yield records
+    with hookframes.receiver(tmp_path, monkeypatch) as records:
+        yield records
     sg.G.reset()
-    state._Q.clear()
-    state.T.enabled, state.T.next_check = False, 0
-    rx.close()
-    tx.close()
 
 
 def rows(got: dict, table: str, *fields: str) -> list[tuple]:

@@ -10,15 +10,10 @@ and the hook removes itself when the agent that injected it goes.  Standard libr
 """
 from __future__ import annotations
 
-import importlib
-import inspect
 import logging
 
-from .. import plan, state
-from ..exact import exact, why_not
-from ..patch import _patch, _unpatch_all
+from .. import classhook, plan, state
 from ..source import SourceTree
-from ..support import first
 from . import needs, tier
 from .tier import G
 
@@ -27,26 +22,19 @@ log = logging.getLogger("lmcache.kvtrace_hook")
 set_owner, HOOK_VERSION = state.set_owner, state.HOOK_VERSION
 
 
-def _wrap(pre, post, names=()):
-    """pre, the method, post, with the method's own parameters (those of the function a
-    decorator wraps, where one does)."""
-    def wrap(orig):
-        inner = inspect.unwrap(orig)
-        return exact(orig, pre, post, tier._none, names, orig.__name__,
-                     params_of=inner if inner is not orig else None)
-
-    return wrap
-
+_wrap = classhook.decorated
 
 WRAPPERS = {
-    "StorageManager.submit_prefetch_task": _wrap(tier.submit_pre, tier.submit_post, ("spec", "external_request_id")),
-    "StorageManager.query_prefetch_status": _wrap(tier.query_pre, tier.query_post, ("handle",)),
-    "PrefetchController._submit_load_tasks": _wrap(tier.tasks_pre, tier.tasks_post, ("request", "reserved_objs")),
+    "StorageManager.submit_prefetch_task": _wrap(tier.submit_pre, tier.submit_post,
+                                                 names=("spec", "external_request_id")),
+    "StorageManager.query_prefetch_status": _wrap(tier.query_pre, tier.query_post, names=("handle",)),
+    "PrefetchController._submit_load_tasks": _wrap(tier.tasks_pre, tier.tasks_post, names=("request", "reserved_objs")),
     "FSL2Adapter._execute_load": tier.async_timed("l2_read"),
     "FSL2Adapter._execute_store": tier.async_timed("l2_write"),
-    "PickleTransferStrategy.prepare_retrieve": _wrap(tier.xfer_pre, tier.retrieve_post, ("key", "instance_id")),
-    "PickleTransferStrategy.commit_store": _wrap(tier.xfer_pre, tier.store_post, ("key", "instance_id", "cpu_data")),
-    "L1EvictionController.execute_eviction_action": _wrap(tier.evict_pre, tier.evict_post, ("action",)),
+    "PickleTransferStrategy.prepare_retrieve": _wrap(tier.xfer_pre, tier.retrieve_post, names=("key", "instance_id")),
+    "PickleTransferStrategy.commit_store": _wrap(tier.xfer_pre, tier.store_post,
+                                                 names=("key", "instance_id", "cpu_data")),
+    "L1EvictionController.execute_eviction_action": _wrap(tier.evict_pre, tier.evict_post, names=("action",)),
 }
 
 
@@ -67,54 +55,23 @@ def install(roles=None, live: bool = False, checked: dict | None = None) -> bool
             return True
         version = _version()
         bad = plan.differences(needs.METHODS + needs.READS, SourceTree.of_imported("lmcache"))
-        items = []
-        for m in needs.METHODS:
-            if any(b.startswith(m.label + ":") for b in bad):
-                continue
-            cls = getattr(importlib.import_module(m.module), m.cls)
-            why = _live_differs(cls, m)
-            if why:
-                bad.append(f"{m.label}: {why}")
-            items.append((cls, m.name, WRAPPERS[m.label]))
-        if bad:
-            _STATUS.update(installed=False, reason=f"LMCache {version} differs: {first(bad)}", differences=bad)
-            log.warning("kvtrace hook inactive (nothing patched): %s", _STATUS["reason"])
-            return False
+        items = classhook.items(needs.METHODS, bad, WRAPPERS)
         G.version = version
-        for cls, attr, wrap in items:
-            _patch(cls, attr, wrap)
-        state.on_leave(_left)
-        _STATUS.update(installed=True, roles=["tier"], reason="", differences=[], kind="lmcache")
+        if not classhook.apply(items, bad, kind="lmcache", title="LMCache", version=version, role="tier", log=log,
+                               left=_left):
+            return False
         log.info("kvtrace hook %s installed (tier) in LMCache %s's server: %d methods wrapped; records flow while "
                  "a kvtrace agent is attached", HOOK_VERSION, version, len(_REGISTRY))
         return True
     except Exception as e:  # never break LMCache
         uninstall()
-        _STATUS.update(installed=False, reason=f"install failed: {type(e).__name__}: {e}")
-        log.warning("kvtrace hook inactive (nothing patched): %s", _STATUS["reason"])
-        return False
-
-
-def _live_differs(cls, m) -> str | None:
-    raw = plan._original(cls, m.name)
-    if raw is None:
-        return "missing"
-    inner = inspect.unwrap(raw)
-    if inspect.iscoroutinefunction(inner):
-        return None if list(inspect.signature(inner).parameters)[:len(m.params)] == list(m.params) else \
-            "parameters differ"
-    return why_not(inner, tuple(p for p in m.params if p != "self"))
+        return classhook.inert(f"install failed: {type(e).__name__}: {e}", log)
 
 
 def uninstall() -> None:
     """Restore every wrapped attribute and send what is queued."""
-    _unpatch_all()
-    try:
-        state._flush(state._monotonic_ns())
-    except Exception:
-        pass
+    classhook.unpatch()
     G.reset()
-    _STATUS.update(installed=False, roles=[], patched=[], reason="uninstalled")
 
 
 def _left(pid: int) -> None:
@@ -124,5 +81,4 @@ def _left(pid: int) -> None:
 
 
 def status() -> dict:
-    return {**_STATUS, "patched": list(_STATUS["patched"]), "emitted": T.emitted, "dropped": T.dropped,
-            "errors": T.errors, "last_error": T.last_error, "kind": "lmcache"}
+    return classhook.status("lmcache")

@@ -83,10 +83,6 @@ def _bound(d: dict) -> None:
 # Lookups: the request, then the lookup's result
 
 
-def _none(self, t) -> None:
-    """abort: nothing to undo."""
-
-
 def submit_pre(self, spec, external_request_id):
     return external_request_id if _on() else None
 

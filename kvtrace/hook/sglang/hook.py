@@ -13,16 +13,11 @@ process.
 """
 from __future__ import annotations
 
-import importlib
-import inspect
 import logging
 import os
 
-from .. import plan, state
-from ..exact import exact, why_not
-from ..patch import _patch, _unpatch_all
+from .. import classhook, plan, state
 from ..source import SourceTree
-from ..support import first
 from . import needs
 from .engine import (G, _alloc_done, _decode_alloc_pre, _evict_done, _evict_pre, _extend_alloc_pre, _next_post,
                      _next_pre, _queue_post, _queue_pre, _result_done, _result_pre, _retract_done, _retract_pre)
@@ -41,15 +36,7 @@ def _sglang_version() -> str:
         return "?"
 
 
-def _wrap(pre, post, abort=None, names=()):
-    """The wrapper factory of one method: pre, the method, post, with the method's own
-    parameters (those of the function a decorator wraps, where one does)."""
-    def wrap(orig):
-        inner = inspect.unwrap(orig)
-        return exact(orig, pre, post, abort or (lambda self, t: None), names, orig.__name__,
-                     params_of=inner if inner is not orig else None)
-
-    return wrap
+_wrap = classhook.decorated
 
 
 WRAPPERS = {
@@ -73,32 +60,17 @@ def install(roles=None, live: bool = False, checked: dict | None = None) -> bool
         prior = checked if checked and _unchanged(checked) else None
         bad = list(prior["roles"]["engine"]) if prior else plan.differences(
             needs.METHODS + needs.READS, SourceTree.of_imported("sglang"))
-        items = []
-        for m in needs.METHODS:
-            if any(b.startswith(m.label + ":") for b in bad):
-                continue
-            cls = getattr(importlib.import_module(m.module), m.cls)
-            why = _live_differs(cls, m)
-            if why:
-                bad.append(f"{m.label}: {why}")
-            items.append((cls, m.name, WRAPPERS[m.label]))
-        if bad:
-            _STATUS.update(installed=False, reason=f"SGLang {version} differs: {first(bad)}", differences=bad)
-            log.warning("kvtrace hook inactive (nothing patched): %s", _STATUS["reason"])
-            return False
+        items = classhook.items(needs.METHODS, bad, WRAPPERS)
         G.version = f"{version}"
-        for cls, attr, wrap in items:
-            _patch(cls, attr, wrap)
-        state.on_leave(_left)
-        _STATUS.update(installed=True, roles=["engine"], reason="", differences=[], kind="sglang")
+        if not classhook.apply(items, bad, kind="sglang", title="SGLang", version=version, role="engine", log=log,
+                               left=_left):
+            return False
         log.info("kvtrace hook %s installed (engine) on SGLang %s: %d methods wrapped; records flow while a "
                  "kvtrace agent is attached", HOOK_VERSION, version, len(_REGISTRY))
         return True
     except Exception as e:  # never break SGLang
         uninstall()
-        _STATUS.update(installed=False, reason=f"install failed: {type(e).__name__}: {e}")
-        log.warning("kvtrace hook inactive (nothing patched): %s", _STATUS["reason"])
-        return False
+        return classhook.inert(f"install failed: {type(e).__name__}: {e}", log)
 
 
 def _unchanged(checked: dict) -> bool:
@@ -108,25 +80,11 @@ def _unchanged(checked: dict) -> bool:
         return False
 
 
-def _live_differs(cls, m) -> str | None:
-    """The method on the imported class, through a decorator's wrapper to the function it wraps."""
-    raw = plan._original(cls, m.name)
-    if raw is None:
-        return "missing"
-    inner = inspect.unwrap(raw)
-    return why_not(inner, tuple(p for p in m.params if p != "self"))
-
-
 def uninstall() -> None:
-    """Restore every wrapped attribute."""
+    """Restore every wrapped attribute and send what is queued."""
     G.rec = False
-    _unpatch_all()
-    try:
-        state._flush(state._monotonic_ns())
-    except Exception:
-        pass
+    classhook.unpatch()
     G.reset()
-    _STATUS.update(installed=False, roles=[], patched=[], reason="uninstalled")
 
 
 def _left(pid: int) -> None:
@@ -136,8 +94,7 @@ def _left(pid: int) -> None:
 
 
 def status() -> dict:
-    return {**_STATUS, "patched": list(_STATUS["patched"]), "emitted": T.emitted, "dropped": T.dropped,
-            "errors": T.errors, "last_error": T.last_error, "kind": "sglang"}
+    return classhook.status("sglang")
 
 
 def detect_roles() -> list[str]:
