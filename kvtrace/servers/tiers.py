@@ -1,7 +1,7 @@
 """From a traced engine to the KV tier servers its connectors reach: the kv-transfer config on
 the engine's command line names each connector (a MultiConnector's too) and, for a tier kind of
-TIERS, where its server listens; the server is the process recognised as that kind listening on
-that port, in the engine's network namespace first (the same host or container), else the one
+TIERS, where its server listens; the server is the process recognised as that kind (by its
+command line) that holds a socket listening on that port, in the engine's network namespace first (the same host or container), else the one
 such process on the host (another container).  Read-only /proc reads; a process that cannot be
 read is passed over."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import psutil
 
 from kvtrace.host.confined import UnsafePath
 from kvtrace.servers import lmcache
-from kvtrace.servers.procfs import _arg, _dotted, _environ, environment
+from kvtrace.servers.procfs import _arg, _dotted, _environ, environment, listening
 from kvtrace.servers.tier import TierInfo, TierKind
 
 TIERS: dict[str, TierKind] = {t.name: t for t in (lmcache.TIER,)}
@@ -78,13 +78,19 @@ def _server_process(tier: TierKind, port: int, engine_pid: int) -> tuple[psutil.
             argv = proc.info["cmdline"] or []
         except (psutil.Error, OSError):
             continue
-        if argv and tier.recognise(argv) == port and not _is_child_of_same(proc, tier):
+        if argv and tier.recognise(argv) == port and not _is_child_of_same(proc, tier) and _listens(proc.pid, port):
             (mine if ns is not None and _netns(proc.pid) == ns else elsewhere).append(proc)
     if len(mine) == 1:
         return mine[0], True
     if not mine and len(elsewhere) == 1:
         return elsewhere[0], False
     return None, False
+
+
+def _listens(pid: int, port: int) -> bool:
+    """The process holds a TCP socket listening on ``port``: a command line alone (which any user
+    writes) does not make a process the tier server kvtrace traces and injects into."""
+    return any(p == port for _host, p in listening(pid))
 
 
 def _is_child_of_same(proc: psutil.Process, tier: TierKind) -> bool:

@@ -10,6 +10,7 @@ import sys
 import time
 from types import SimpleNamespace as NS
 
+import psutil
 import pytest
 
 from kvtrace.servers import lmcache, tiers
@@ -45,11 +46,16 @@ def test_lmcaches_server_endpoint_and_storage():
     assert lmcache.recognise(["/bin/sh", "-c", "python -m lmcache.v1.multiprocess.server"]) is None
 
 
-def _fake_server(tmp_path, port: int) -> subprocess.Popen:
-    """A process whose command line is an LMCache server's (the script form), which sleeps."""
+LISTEN = ("import socket, sys, time\ns = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+          "s.bind(('127.0.0.1', int(sys.argv[2]))); s.listen()\ntime.sleep(60)\n")
+
+
+def _fake_server(tmp_path, port: int, listen: bool = True) -> subprocess.Popen:
+    """A process whose command line is an LMCache server's (the script form) listening on its
+    port (or, ``listen`` False, a decoy that only says so), which sleeps."""
     script = tmp_path / f"p{port}-{time.monotonic_ns()}" / "lmcache" / "v1" / "multiprocess" / "server.py"
     script.parent.mkdir(parents=True)
-    script.write_text("import time\ntime.sleep(60)\n")
+    script.write_text(LISTEN if listen else "import time\ntime.sleep(60)\n")
     return subprocess.Popen([sys.executable, str(script), "--port", str(port),
                              "--l2-adapter", json.dumps({"type": "fs", "base_path": str(tmp_path)})])
 
@@ -65,16 +71,23 @@ def spawned():
 
 def test_the_server_is_found_by_its_port_in_the_engines_namespace(tmp_path, spawned):
     engine = NS(pid=os.getpid(), cmdline=["vllm", "serve", "--kv-transfer-config", json.dumps(MP)])
+    # another user's decoy: an LMCache server's command line on the engine's port, not listening
+    decoy = _fake_server(tmp_path, 7311, listen=False)
+    spawned.append(decoy)
+    wait_for(lambda: lmcache.recognise(psutil.Process(decoy.pid).cmdline()) == 7311, 10, "the decoy's command line")
+    assert tiers.find(engine) == []
+    decoy.kill()
+    decoy.wait()
+    spawned.remove(decoy)
     spawned.append(_fake_server(tmp_path, 7311))
     spawned.append(_fake_server(tmp_path, 7312))     # another LMCache server: not this engine's
     (t,) = wait_for(lambda: tiers.find(engine), 10, "the fake server")
     assert (t.kind, t.pid, t.port, t.host, t.connector, t.same_netns) == \
         ("lmcache", spawned[0].pid, 7311, "127.0.0.1", "LMCacheMPConnector", True)
     assert t.pids[0] == spawned[0].pid and t.storage == [f"fs:{tmp_path}"]
-    # two servers on the engine's port: which one is unknown, so none is traced
-    spawned.append(_fake_server(tmp_path, 7311))
-    wait_for(lambda: len([p for p in spawned if p.poll() is None]) == 3, 5)
-    time.sleep(0.3)
-    assert tiers.find(engine) == []
+    # a decoy beside the real one changes nothing
+    spawned.append(_fake_server(tmp_path, 7311, listen=False))
+    wait_for(lambda: lmcache.recognise(psutil.Process(spawned[-1].pid).cmdline()) == 7311, 10, "the decoy's command line")
+    assert [x.pid for x in tiers.find(engine)] == [spawned[0].pid]
     # an engine without a tier connector has none
     assert tiers.find(NS(pid=os.getpid(), cmdline=["vllm", "serve"])) == []
