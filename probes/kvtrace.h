@@ -23,6 +23,7 @@
 #define KV_KIND_TCP      8
 #define KV_KIND_RDMA     9
 #define KV_KIND_ULIB     10
+#define KV_KIND_FILEMAP  11
 #define KV_NKINDS        16
 
 #ifndef KV_RINGBUF_PAGES

@@ -101,6 +101,8 @@ COLUMNS: dict[str, list[tuple[str, str, str]]] = {
     "tiers": [("ts_ns", "ts_ns", "I"), ("kind", "kind", "S"), ("pid", "pid", "I"), ("port", "port", "I"),
               ("connector", "connector", "S"), ("version", "version", "S"), ("storage", "storage", "S"),
               ("chunk_tokens", "chunk_tokens", "I")],
+    "file_map": [("pid", "pid", "I"), ("op", "op", "S"), ("dev_major", "dev_major", "I"), ("dev_minor", "dev_minor", "I"),
+                 ("ino", "ino", "I"), ("pages", "pages", "I")],
 }
 HOOK_TABLES = ("step", "chunk", "admit", "evict", "preempt", "kv_load", "kv_store", "arrive", "finish", "prompt_blocks",
                "kv_alloc", "kv_done", "kv_finish", "kv_invalid", "tier_lookup", "tier_op")

@@ -17,7 +17,7 @@ STORAGE_PATH = ("path LIKE '/%' AND NOT (path LIKE '/proc/%' OR path LIKE '/sys/
 
 
 CAUSES = ("hit_local", "hit_external", "miss_cold", "miss_unseen", "miss_evicted", "miss_inflight", "miss_tail",
-          "miss_other_key", "miss_not_looked_up")   # kvtrace.correlate.causes.CAUSES
+          "miss_other_key", "miss_not_looked_up", "miss_tier_partial")   # kvtrace.correlate.causes.CAUSES
 CAUSE_COLUMNS = ", ".join(f"SUM(CASE WHEN cause = '{c}' THEN tokens ELSE 0 END) AS {c}" for c in CAUSES)
 
 
@@ -285,6 +285,10 @@ FIGURES: dict[str, str] = {
     "file_reads": f"""SELECT dir, SUM(w) AS reads, SUM(bytes * w) AS bytes, MIN(start_ns) AS t0, MAX(ts_ns) AS t1,
         SUM(latency_ns * w) AS busy_ns, {pct('latency_ns', 'lat')}, MAX(latency_ns) AS lat_max FROM fread
         GROUP BY dir ORDER BY dir""",
+    # the traced processes' page-cache fills and faults on mapped files (probe filemap), per kind
+    "mapped_files": """SELECT op, COUNT(*) AS files, SUM(events) AS events, SUM(pages) AS pages FROM (
+        SELECT op, dev_major, dev_minor, ino, COUNT(*) AS events, SUM(pages) AS pages FROM file_map
+        GROUP BY op, dev_major, dev_minor, ino) t GROUP BY op ORDER BY op""",
     "kv_transfers": f"""SELECT direction, kind, source, COUNT(*) AS n, SUM(blocks) AS blocks, SUM(nbytes) AS bytes,
         SUM(t_end_ns - t_start_ns) AS busy_ns, {pct('t_end_ns - t_start_ns', 'lat')} FROM (
           SELECT 'load' AS direction, CASE WHEN request <> '' THEN 'per request' ELSE 'per step' END AS kind,

@@ -251,7 +251,8 @@ def _chunking(t: Term, rep: dict) -> None:
 
 
 MISS_LABEL = {"miss_cold": "cold", "miss_unseen": "unseen", "miss_evicted": "evicted", "miss_inflight": "in flight",
-              "miss_tail": "tail", "miss_other_key": "other key", "miss_not_looked_up": "not looked up"}
+              "miss_tail": "tail", "miss_other_key": "other key", "miss_not_looked_up": "not looked up",
+              "miss_tier_partial": "tier partial chunk"}
 
 
 def _misses(t: Term, rep: dict, rows: int) -> None:
@@ -300,9 +301,14 @@ def _slowest(t: Term, rep: dict, rows: int) -> None:
                                       ms(x["compute_ns"]), x["verdict"]] for x in slow])
 
 
+# file_map's kinds of rows (probe filemap): what mmap reads without a read system call
+MAPPED = {"fill": "page-cache fill", "fault": "fault", "map": "fault-around"}
+
+
 def _storage(t: Term, rep: dict, rows: int) -> None:
     st = rep["storage"]
-    if not (st["block_io"] or st["nvme"] or st["files"] or st["kv_transfers"]):
+    mapped = st.get("mapped_files") or []
+    if not (st["block_io"] or st["nvme"] or st["files"] or st["kv_transfers"] or mapped):
         return
 
     def tail(x):
@@ -316,6 +322,8 @@ def _storage(t: Term, rep: dict, rows: int) -> None:
     out += [["file", x["dir"], "read", num(x["reads"]), num(x["bytes"]), *tail(x)] for x in files[:rows]]
     out += [[f"kv {x['direction']}", f"{x['source']} ({x['kind']})", "", num(x["n"]), num(x["bytes"]), ms(x["lat_p50"]),
              ms(x["lat_p95"]), ms(x["lat_p99"]), "", "", ""] for x in st["kv_transfers"]]
+    out += [["mapped files", f"{num(x['files'])} files", MAPPED.get(x["op"], x["op"]), num(x["events"]), num(x["bytes"]),
+             "", "", "", "", "", ""] for x in mapped]
     cols = [Col("source", justify="left", wrap="word"), Col("device / queue", justify="left", wrap="fold"), Col("op", 1),
             Col("count", 1), Col("bytes", 2), Col("p50 ms", 1), Col("p95 ms", 3), Col("p99 ms", 1), Col("MB/s", 2),
             Col("IOPS", 3), Col("QD", 4)]

@@ -389,9 +389,13 @@ def _dev_rows(rs: list[dict], count_key: str) -> list[dict]:
     return out
 
 
+PAGE = 4096   # bytes a page (file_map counts pages)
+
+
 def _storage(rows: dict[str, list[dict]]) -> dict:
     return {"block_io": _dev_rows(rows["block_io"], "ios"), "nvme": _dev_rows(rows["nvme"], "commands"),
             "files": _dev_rows(rows["file_reads"], "reads"), "kv_transfers": rows["kv_transfers"],
+            "mapped_files": [{**r, "bytes": (r["pages"] or 0) * PAGE} for r in rows["mapped_files"]],
             "nic_during_slow_chunks": rows["nic_slow"], "latency_histogram": rows["lat_hist"],
             "slow_chunks": slow_chunks(rows)}
 

@@ -97,8 +97,11 @@ def run(cap: Capture, echo) -> tuple[object, str]:
         if cap.otlp:
             from kvtrace.otlp.sink import OtlpSink  # lazy: start-up cost: the CLI imports attach's options for every command
 
-            pipeline.add_sink(OtlpSink(cap.otlp, cap.otlp_protocol, writer.run, writer.host, pipeline.offset,
-                                       lateness_s=2 * cap.flush_interval + 1))
+            sink = OtlpSink(cap.otlp, cap.otlp_protocol, writer.run, writer.host, pipeline.offset,
+                            lateness_s=2 * cap.flush_interval + 1)
+            if cap.tiers:   # the tier's chunk size, for the miss causes of the live spans
+                sink.consume({"tiers": table(cap.tiers)})
+            pipeline.add_sink(sink)
         for name, why in plan.skipped.items():
             if why != "not selected":
                 echo(f"kvtrace: probe {name} skipped: {why}")

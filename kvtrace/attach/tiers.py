@@ -33,7 +33,7 @@ def table(found: list):
     now = time.monotonic_ns()
     rows = [{"ts_ns": now, "kind": t.kind, "pid": t.pid, "address": t.host, "port": t.port, "connector": t.connector,
              "version": t.version, "storage": ",".join(t.storage), "chunk_tokens": t.chunk_tokens,
-             "same_netns": t.same_netns} for t in found]
+             "same_netns": t.same_netns, "memory_bytes": t.memory_bytes} for t in found]
     return pa.Table.from_pylist(rows, schema=schema.TABLES["tiers"])
 
 

@@ -8,7 +8,7 @@ from typing import Callable
 import numpy as np
 
 KIND_BLOCK, KIND_FILEIO, KIND_FDOPEN, KIND_URING, KIND_PROC, KIND_USER = 1, 2, 3, 4, 5, 6
-KIND_NVME, KIND_TCP, KIND_RDMA, KIND_ULIB = 7, 8, 9, 10
+KIND_NVME, KIND_TCP, KIND_RDMA, KIND_ULIB, KIND_FILEMAP = 7, 8, 9, 10, 11
 NKINDS = 16
 
 # struct kv_hdr: (field, numpy type); the C name of each field is "h.<field>".

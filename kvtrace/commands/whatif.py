@@ -34,9 +34,11 @@ def _ints(minimum: int = 1):
               help="KV cache size(s) in blocks (vLLM --num-gpu-blocks-override: the null block included, so at least 2), "
                    "comma-separated; a size whose replay would take more than half of MemAvailable is refused.")
 @click.option("--storage-tier", default=None,
-              help="Comma-separated: none, or file[:BLOCKS][@READ_GBPS[/LATENCY_US]] (a KV connector that stores every "
+              help="Comma-separated: none, file[:BLOCKS][@READ_GBPS[/LATENCY_US]] (a KV connector that stores every "
                    "computed block and loads a prefix back at admission; BLOCKS, a whole number above 0, bounds it, LRU; "
-                   "READ_GBPS and LATENCY_US, its read speed and latency per block, else the recorded ones). Default: none.")
+                   "READ_GBPS and LATENCY_US, its read speed and latency per block, else the recorded ones), or "
+                   "lmcache[:L1_GB][@L2_READ_GBPS[/LATENCY_US]] (LMCache's whole chunks in an L1 of L1_GB GiB over an "
+                   "L2 on disk read at L2_READ_GBPS; else the recorded L1 size and read speed). Default: as recorded.")
 @click.option("--max-num-seqs", type=click.IntRange(1), default=256, show_default=True, help="Running requests at most (vLLM --max-num-seqs).")
 @click.option("--max-combinations", type=click.IntRange(1), default=500, show_default=True,  # whatif.MAX_COMBINATIONS
               help="Refuse (exit 2) a grid of more combinations than this; each replays every recorded request "

@@ -19,6 +19,11 @@ prompt (or of the prefill after a preemption) are split:
                                allocation, and how many evictions and seconds before)
     miss_other_key             never stored under this key, but the same tokens at the same place
                                are cached under another key (LoRA, cache_salt, multimodal)
+    miss_tier_partial          with a KV tier that stores whole chunks only (LMCache: its tiers
+                               row's chunk_tokens): no longer in the device cache (it would be
+                               miss_evicted, miss_unseen or miss_other_key), and every request
+                               that computed the block had it in its last, partial tier chunk, so
+                               the tier never stored it
     miss_cold                  never stored, and the cache's whole history is known
     miss_unseen                not seen stored in this run, and the server had served before the
                                agent attached (it may have been stored and evicted then), or removed
@@ -42,10 +47,12 @@ from dataclasses import dataclass, field
 from kvtrace.servers import registry
 
 CAUSES = ("hit_local", "hit_external", "miss_cold", "miss_unseen", "miss_evicted", "miss_inflight", "miss_tail",
-          "miss_other_key", "miss_not_looked_up")
+          "miss_other_key", "miss_not_looked_up", "miss_tier_partial")
 HITS = ("hit_local", "hit_external")
 MISSES = CAUSES[2:]
 _BREAK = "break"
+# what the device cache no longer holds, which a whole-chunk tier would have served had it stored it
+_TIER_WOULD_SERVE = ("miss_evicted", "miss_unseen", "miss_other_key")
 KEEP = 100_000   # requests whose segments are kept for their later chunks (live: a bound; finished ones go)
 
 
@@ -85,6 +92,9 @@ class _Engine:
     chains: dict = field(default_factory=dict)          # request -> {index: hash}
     plains: dict = field(default_factory=dict)          # request -> {index: hash without extra keys}
     lookups: dict = field(default_factory=dict)         # request -> {attempt: (skipped, keyed)}
+    tier_chunk: int = 0                                 # tokens per chunk of a whole-chunk KV tier (0: none)
+    tier_held: set = field(default_factory=set)         # computed in some request's whole tier chunk
+    tier_partial: set = field(default_factory=set)      # computed only in requests' partial last tier chunks
 
 
 class CacheReplay:
@@ -96,10 +106,15 @@ class CacheReplay:
         self.segments: list[Segment] = []     # made by the latest feed()
         self.kept: OrderedDict = OrderedDict()  # (pid, request) -> {attempt: its segments}, for its chunks
         self.finished: list = []    # (pid, request) finished in the latest feed(): dropped at the next
+        self.tier_chunk = 0         # the run's KV tier's tokens per chunk (its tiers rows), 0: no such tier
 
     # -- per-request structure: prompt chains, lookups, the snapshot at attach -----------------
 
-    def structure(self, prompt_blocks=(), resume_blocks=(), prompt_plain=(), lookup=(), cached=(), engine=()) -> None:
+    def structure(self, prompt_blocks=(), resume_blocks=(), prompt_plain=(), lookup=(), cached=(), engine=(),
+                  tiers=()) -> None:
+        sizes = {int(r["chunk_tokens"]) for r in tiers if r.get("chunk_tokens")}
+        if len(sizes) == 1:   # the run's tier (attach follows the engines' KV-transfer config to it)
+            self.tier_chunk = sizes.pop()
         for r in engine:   # a radix tree (SGLang's) holds a chunk from the next step on
             self.engines[r["pid"]].radix = registry.kind(r["name"]).cache_model == "radix"
         for r in prompt_blocks:
@@ -192,6 +207,7 @@ class CacheReplay:
         total = int(a["prefill_len"])
         hit_l, hit_x = int(a["cached_local"]), int(a["cached_external"])
         bs = e.block_size or 1
+        e.tier_chunk = e.tier_chunk or self.tier_chunk
         chain = e.chains.get(r, {})
         skipped, keyed = e.lookups.get(r, {}).get(attempt, (False, False))
         segs = [(0, hit_l, "hit_local", {}), (hit_l, hit_l + hit_x, "hit_external", {})]
@@ -206,6 +222,8 @@ class CacheReplay:
                     first_cause = cause if cause != _BREAK else "miss_unseen"
                 if cause == _BREAK:
                     cause, detail = first_cause, {}
+                if cause in _TIER_WOULD_SERVE and chain.get(i) in e.tier_partial:
+                    cause, detail = "miss_tier_partial", {"block_hash": chain[i]}
                 segs.append((i * bs, (i + 1) * bs, cause, detail))
             segs.append((max(top, hit_l + hit_x), total, "miss_tail", {}))
         self._emit(pid, r, attempt, int(a["step"]), segs)
@@ -214,7 +232,7 @@ class CacheReplay:
             if h is not None:
                 _store(e, h, _plain(e, r, i, h, keyed))
         pend = [(i, h) for i in range((hit_l + hit_x) // bs, total // bs) if (h := chain.get(i)) is not None]
-        e.running[r] = [attempt, hit_l + hit_x, {h for _, h in pend}, keyed]
+        e.running[r] = [attempt, hit_l + hit_x, {h for _, h in pend}, keyed, total]
         for _, h in pend:
             e.pending[h].add(r)
 
@@ -323,10 +341,13 @@ def _progress(e: _Engine, r: str, end: int) -> None:
         return
     bs = e.block_size or 1
     chain = e.chains.get(r, {})
+    whole = e.tier_chunk * (run[4] // e.tier_chunk) if e.tier_chunk else 0   # tokens in r's whole tier chunks
     for i in range(run[1] // bs, end // bs):
         h = chain.get(i)
         if h is not None:
             _store(e, h, _plain(e, r, i, h, run[3]))
+            if e.tier_chunk:
+                _tier_computed(e, h, (i + 1) * bs <= whole)
             run[2].discard(h)
             s = e.pending.get(h)
             if s is not None:
@@ -334,6 +355,15 @@ def _progress(e: _Engine, r: str, end: int) -> None:
                 if not s:
                     del e.pending[h]
     run[1] = max(run[1], end)
+
+
+def _tier_computed(e: _Engine, h: int, whole: bool) -> None:
+    """Block h computed, in a whole tier chunk (the tier stores it) or in the partial last one."""
+    if whole:
+        e.tier_held.add(h)
+        e.tier_partial.discard(h)
+    elif h not in e.tier_held:
+        e.tier_partial.add(h)
 
 
 def _leave(e: _Engine, r: str) -> None:

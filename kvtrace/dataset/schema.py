@@ -90,7 +90,7 @@ TABLES: dict[str, pa.Schema] = {
     ]),
     "tiers": pa.schema([
         ("ts_ns", u64), ("kind", d), ("pid", u32), ("address", s), ("port", u32), ("connector", s),
-        ("version", s), ("storage", s), ("chunk_tokens", u32), ("same_netns", pa.bool_()),
+        ("version", s), ("storage", s), ("chunk_tokens", u32), ("same_netns", pa.bool_()), ("memory_bytes", u64),
     ]),
     # ---- NVMe(-oF), transport and NIC tables (probes nvme/tcp/rdma, kvtrace.fabric) ----
     # One row per NVMe command attempt (sampled under load: weight = commands it stands for).
@@ -159,6 +159,11 @@ TABLES: dict[str, pa.Schema] = {
         ("ts_ns", u64), ("entry_ns", u64), ("latency_ns", i64), ("pid", u32), ("tid", u32), ("lib", d), ("func", d),
         ("bytes", u64), ("arg", u64), ("ret", i64),
     ]),
+    # Page faults of the traced processes on mapped files (probe filemap): reads through mmap.
+    "file_map": pa.schema([
+        ("ts_ns", u64), ("pid", u32), ("tid", u32), ("op", d), ("dev_major", u32), ("dev_minor", u32), ("ino", u64),
+        ("first_page", u64), ("pages", u64),
+    ]),
     # Derived by the correlator (kvtrace.correlate; docs/correlate.md) at a clean stop or by
     # `kvtrace correlate DIR`: one row per request, prefill chunk, engine step, attributed event.
     "requests": pa.schema([
@@ -173,7 +178,7 @@ TABLES: dict[str, pa.Schema] = {
         # they sum to prompt_len; kvtrace.correlate.causes), and after preemptions the tokens
         # found again and recomputed
         ("miss_cold", u32), ("miss_unseen", u32), ("miss_evicted", u32), ("miss_inflight", u32), ("miss_tail", u32),
-        ("miss_other_key", u32), ("miss_not_looked_up", u32), ("readmit_recomputed_tokens", u32),
+        ("miss_other_key", u32), ("miss_not_looked_up", u32), ("miss_tier_partial", u32), ("readmit_recomputed_tokens", u32),
         # its loads from a KV connector as the scheduler drove it (kv_alloc, kv_done): the connector,
         # tokens and bytes loaded, the wait for its async loads, its failed loads
         ("kv_connector", s), ("connector_load_tokens", u32), ("connector_load_bytes", u64),
@@ -198,7 +203,7 @@ TABLES: dict[str, pa.Schema] = {
         ("parent_span_id", s),
         # the tokens this chunk computed, by why they missed (kvtrace.correlate.causes)
         ("miss_cold", u32), ("miss_unseen", u32), ("miss_evicted", u32), ("miss_inflight", u32), ("miss_tail", u32),
-        ("miss_other_key", u32), ("miss_not_looked_up", u32),
+        ("miss_other_key", u32), ("miss_not_looked_up", u32), ("miss_tier_partial", u32),
     ]),
     "steps": pa.schema([
         ("engine_pid", u32), ("step", u64), ("t_start_ns", u64), ("t_sched_end_ns", u64), ("t_end_ns", u64),

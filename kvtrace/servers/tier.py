@@ -21,6 +21,7 @@ class TierKind:
     metrics: Callable          # metrics(argv) -> the URL of its Prometheus metrics inside its network namespace, or None
     metrics_prefix: str        # its series' prefix ("lmcache_")
     hook_module: str = ""      # the hook injected into its server (install()/uninstall()), if any
+    memory: Callable = lambda argv: 0   # memory(argv) -> bytes of its in-memory tier (L1), 0: not known
 
 
 @dataclass
@@ -38,3 +39,4 @@ class TierInfo:
     chunk_tokens: int          # tokens per chunk it stores (a partial chunk is never stored)
     same_netns: bool           # in the engine's network namespace (else: found by its port elsewhere)
     metrics_url: str | None = None   # its own metrics (scraped into tier_metrics), inside its network namespace
+    memory_bytes: int = 0      # its in-memory tier's size (LMCache's L1), 0: not known

@@ -114,5 +114,5 @@ def _describe(tier: TierKind, proc: psutil.Process, host: str, port: int, connec
         version = None
     return TierInfo(kind=tier.name, pid=proc.pid, pids=[proc.pid, *children], host=host, port=port,
                     connector=connector, version=version, storage=tier.storage(argv), chunk_tokens=tier.chunk_size(argv),
-                    same_netns=same,
-                    metrics_url=tier.metrics(argv) if argv else None)
+                    same_netns=same, metrics_url=tier.metrics(argv) if argv else None,
+                    memory_bytes=tier.memory(argv) if argv else 0)

@@ -29,7 +29,8 @@ from kvtrace.demo import workload
 from kvtrace.demo.server import MODELS
 from tests import helpers
 from tests.helpers import wait_for
-from tests.lmcache.conftest import CHUNK
+from kvtrace.correlate.causes import CAUSES
+from tests.lmcache.conftest import BLOCK, CHUNK
 from tests.otlp_receiver import Receiver
 from tests.vllm.test_hook import settled_metrics
 
@@ -174,6 +175,20 @@ def test_lmcache_external_hits_match_vllm(run):
     assert sum(ext for _loc, ext in got.values()) == m2[EXTERNAL] - m0[EXTERNAL], got
     r2 = sum(ext for n, (_loc, ext) in got.items() if n.startswith("r2"))
     assert r2 > 0 and r2 % CHUNK == 0, got
+
+
+def test_tokens_in_the_partial_tier_chunk_miss_for_that_cause(run):
+    """Each prompt's last 200 tokens sit in a partial LMCache chunk ([512, 712)), which LMCache
+    never stores.  Round 2, after vLLM's cache was emptied, recomputes them: of the tokens vLLM
+    can hit at most (32 x floor(711 / 32) = 704), the 192 past the prefix miss because of the
+    partial chunk; round 1 computed them for the first time (cold)."""
+    req = {r["request"].split("-")[1]: r for r in run["ds"].table("requests").to_pylist()}
+    top = BLOCK * ((PROMPT - 1) // BLOCK)
+    for name, r in sorted(req.items()):
+        want = top - PREFIX if name.startswith("r2") else 0
+        assert (r["miss_tier_partial"], r["miss_tail"]) == (want, PROMPT - top), (name, r)
+        assert r["cached_tokens"] + sum(r[c] for c in CAUSES[2:]) == PROMPT, (name, r)
+    assert [req[f"r1p{i}"]["miss_cold"] for i in range(PROMPTS)] == [top, top - PREFIX, top - PREFIX]
 
 
 def test_lmcache_loads_from_disk(run):
@@ -346,3 +361,21 @@ def test_the_hook_in_lmcaches_server_sees_each_lookup_load_and_store(run, lmcach
     assert sum(o["num_tokens"] for o in by["store"] if o["ok"]) == sum(int(n) for n in STORED.findall(run["log1"]))
     assert sum(o["nbytes"] for o in by["l2_write"]) == sum(run["files"].values())
     assert sum(o["keys"] for o in by["l2_write"]) == len(run["files"])
+
+
+def test_whatif_fits_the_recorded_lmcache_tier(run, kvtrace_cli, lmcache_server):
+    """`whatif` reads the recorded tier: LMCache's chunk and L1 size from its options, the KV bytes
+    a token from the L2 files it read (CHUNK_BYTES / CHUNK), and what its retrieves and L2 reads
+    cost per token from its own operations; it replays at the recorded tier by default."""
+    p = kvtrace_cli("whatif", str(run["ds"].root), "--json", "--storage-tier", "lmcache,lmcache:0.0001@2", timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(p.stdout)
+    gb = lmcache_server.l1_size_gb
+    assert res["recorded"]["storage_tier"] == f"lmcache:{gb:g}"
+    tm = res["tier_model"]
+    assert (tm["chunk_tokens"], tm["l1_bytes"], tm["token_bytes"]) == (CHUNK, int(gb * (1 << 30)), CHUNK_BYTES / CHUNK)
+    assert tm["fitted_on_l2_reads"] >= 1 and tm["fitted_on_retrieves"] >= 1, tm
+    assert tm["l2_read_ns_per_token"] > 0 and tm["retrieve_ns_per_token"] > 0, tm
+    assert [r["storage_tier"] for r in res["predictions"]] == ["lmcache", "lmcache:0.0001@2"]
+    d = kvtrace_cli("whatif", str(run["ds"].root), "--json", timeout=300)
+    assert d.returncode == 0 and [r["storage_tier"] for r in json.loads(d.stdout)["predictions"]] == [f"lmcache:{gb:g}"]

@@ -168,6 +168,38 @@ def test_buffered_reads_after_dropping_the_page_cache(tmp_path, ext4_on_loop):
     only_workload(ds, truth)
 
 
+def distinct_pages(rows: list[dict]) -> set[int]:
+    """The pages of a file that its file_map rows mapped (fault-around ranges and single faults)."""
+    return {p for r in rows for p in range(r["first_page"], r["first_page"] + r["pages"])}
+
+
+def test_reads_through_mmap_are_page_faults_on_the_file(tmp_path, ext4_on_loop):
+    """A process that maps a file and touches every page makes no read system call.  After the
+    page cache is dropped, its faults' readahead fills the page cache with every page of the
+    file exactly once, in its context (file_map "fill" rows, device and inode the file's), and
+    the block layer's reads in its context bring the bytes in; its faults name the file too."""
+    dev, path = ext4_on_loop
+    size = path.stat().st_size
+    subprocess.run(["sync"], check=True)
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    ds, truth, _ = capture(tmp_path, "mmap", "--path", str(path))
+    st = path.stat()
+    assert (truth["ino"], truth["dev_major"], truth["dev_minor"]) == (st.st_ino, os.major(st.st_dev), os.minor(st.st_dev))
+    pages = -(-size // truth["page_size"])
+    assert truth["pages"] == pages
+    rows = [r for r in ds.table("file_map").to_pylist()
+            if (r["ino"], r["dev_major"], r["dev_minor"]) == (st.st_ino, os.major(st.st_dev), os.minor(st.st_dev))]
+    assert rows and all(r["pid"] == truth["pid"] for r in rows)
+    fills = [r for r in rows if r["op"] == "fill"]
+    assert sum(r["pages"] for r in fills) == pages and distinct_pages(fills) == set(range(pages))
+    assert {r["op"] for r in rows} == {"fill", "fault", "map"}
+    # no read system call on it: only the faults say the process read it
+    assert not [r for r in ds.table("file_io").to_pylist() if r["path"] == str(path)]
+    block = [r for r in ds.table("block_io").to_pylist() if r["disk"] == os.path.basename(dev)]
+    assert sum(r["bytes"] for r in block if r["pid"] == truth["pid"] and r["op"] == "R") >= size
+    only_workload(ds, truth)
+
+
 def test_io_uring_reads_pair_submit_and_complete(tmp_path, loopdev):
     try:
         from kvtrace.demo.io import Uring

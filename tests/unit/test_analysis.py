@@ -361,3 +361,59 @@ def test_whatif_free_queue_keeps_the_order_of_an_ordered_dict():
                     fq.extend_front(back)
             assert len(fq) == len(od)
         assert fq.pop(len(od)) == list(od)
+
+
+def lmcache_ds(root: Path, l1_chunks: int) -> Path:
+    """whatif_ds with an LMCache tier of 64-token chunks (2 blocks) recorded beside it: its tiers
+    row (an L1 of ``l1_chunks`` chunks) and its operations: retrieves at 1,000 ns a token, L2 reads
+    at 2,000 ns a token (one key: one chunk), 2**18 bytes a token (a chunk: 2**24 bytes, 1/64 GiB)."""
+    whatif_ds(root)
+    tier = {"pid": 900, "tier": "lmcache", "ok": 1}
+    fx.write(root, "tier_op", [
+        fx.hook({**tier, "t_start_ns": 10 * MS, "t_end_ns": 10 * MS + 64_000, "request": "R1", "op": "retrieve",
+                 "keys": 1, "num_tokens": 64, "nbytes": 64 << 18}, pid=900),
+        fx.hook({**tier, "t_start_ns": 20 * MS, "t_end_ns": 20 * MS + 128_000, "request": "R1", "op": "l2_read",
+                 "keys": 1, "num_tokens": 0, "nbytes": 64 << 18}, pid=900)])
+    fx.write(root, "tiers", [{"ts_ns": MS, "kind": "lmcache", "pid": 900, "address": "127.0.0.1", "port": 8177,
+                              "connector": "LMCacheMPConnector", "version": "0.5.6", "storage": "fs:/l2",
+                              "chunk_tokens": 64, "same_netns": True, "memory_bytes": l1_chunks << 24}])
+    return root
+
+
+def test_whatif_lmcache_tier_chunk_by_chunk(tmp_path):
+    """4 usable blocks (as test_whatif_replay_block_by_block): R4 finds a1 in vLLM's cache (a2 and
+    a3 were evicted), and LMCache's chunk 0 ([a1 a2], stored by R1; R2 hit it, R3 stored [c1 c2]):
+    it loads a2 (32 tokens: the third block is never hit).  The chunk is in L1 when L1 holds 2
+    chunks ([a2-chunk, c2-chunk]): 32 tokens x 1,000 ns; with 1 chunk only c2's is there: the L2
+    read of the whole chunk (64 x 2,000 ns, or 10 µs + 2**24 bytes at 1 GB/s) first."""
+    from kvtrace.analysis import whatif
+
+    root = lmcache_ds(tmp_path / "w", l1_chunks=2)
+    res = whatif.run(root, chunk_sizes=[256], cache_blocks=[5],
+                     tiers=["lmcache", "lmcache:0.015625", "lmcache:0.015625@1/10", "none"])
+    assert res["recorded"]["storage_tier"] == "lmcache:0.03125"
+    assert res["tier_model"] == {"chunk_tokens": 64, "l1_bytes": 2 << 24, "token_bytes": 1 << 18,
+                                 "retrieve_ns_per_token": 1000.0, "l2_read_ns_per_token": 2000.0,
+                                 "fitted_on_retrieves": 1, "fitted_on_l2_reads": 1}
+    p = {r["storage_tier"]: r for r in res["predictions"]}
+    got = {t: (r["hit_local"], r["hit_external"], r["storage_loads"], r["tier_l1_chunks"], r["tier_l2_chunks"],
+               r["storage_wait_ns"]) for t, r in p.items() if t != "none"}
+    assert got == {"lmcache": (96, 32, 1, 1, 0, 32_000),
+                   "lmcache:0.015625": (96, 32, 1, 0, 1, 64 * 2000 + 32_000),
+                   "lmcache:0.015625@1/10": (96, 32, 1, 0, 1, 10_000 + (1 << 24) + 32_000)}
+    # L1 of 1 chunk: R3's chunk pushed R1's out, and R1's, read back for R4, pushed R3's
+    assert p["lmcache:0.015625"]["tier_l1_evictions"] == 2 and p["lmcache"]["tier_l1_evictions"] == 0
+    assert (p["none"]["hit_external"], p["none"]["storage_wait_ns"]) == (0, 0) and "tier_l1_chunks" not in p["none"]
+
+
+def test_whatif_lmcache_settings_it_refuses(tmp_path):
+    from kvtrace.analysis import whatif
+    from kvtrace.errors import UsageError
+
+    root = lmcache_ds(tmp_path / "w", l1_chunks=2)
+    with pytest.raises(UsageError, match="chunk of 64 tokens is not a multiple of the block size 128"):
+        whatif.run(root, chunk_sizes=[256], block_sizes=[128], cache_blocks=[5], tiers=["lmcache"])
+    for bad, words in (("lmcache:0", "L1_GB must be a number of GiB above 0"), ("lmcache:x", "L1_GB must be"),
+                       ("lmcache@0", "READ_GBPS must be a number above 0"), ("lmcachex", "give none, file")):
+        with pytest.raises(UsageError, match=re.escape(words)):
+            whatif.run(root, tiers=[bad])

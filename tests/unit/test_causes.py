@@ -218,3 +218,42 @@ def test_a_run_without_a_snapshot_takes_the_first_one_it_gets():
     replay.structure(cached=[{"pid": PID, "t_ns": 9, "first": 0, "served": 0, "hashes": []}])
     replay.structure(cached=[{"pid": PID, "t_ns": 20, "first": 0, "served": 1, "hashes": []}])
     assert replay.engines[PID].fresh is True
+
+
+def test_tier_partial_chunk_blocks_the_tier_never_stored():
+    """A tier of 8-token chunks (2 blocks): A's 22 tokens fill 2 whole chunks (blocks 0-3) and a
+    partial one (tokens 16-21: block 4), which the tier never stores.  B shares A's 5 blocks plus
+    its own: evicted from the device, blocks 0-3 stay miss_evicted (the tier held them, so its
+    miss is another story) and block 4 is miss_tier_partial.  C computes block 4 again inside a
+    whole chunk of its own prompt: the tier now holds it, so the next eviction is plain again."""
+    run = Run()
+    run.replay.structure(tiers=[{"kind": "lmcache", "chunk_tokens": 8}])
+    a = chain("a", 5)
+    run.prompt("A", a)
+    run.do(admits=[("A", 0, 22, 0, 0)], chunks=[("A", 0, 0, 22)], finishes=["A"])
+    run.do(evicts=[(h, "X") for h in a])
+    b = a + chain("b", 2)
+    run.prompt("B", b)
+    run.do(admits=[("B", 0, 29, 0, 0)], chunks=[("B", 0, 0, 29)], finishes=["B"])
+    assert run.causes("B") == {"miss_evicted": 16, "miss_tier_partial": 4, "miss_cold": 8, "miss_tail": 1}
+    part = [s for s in run.segments if s.request == "B" and s.cause == "miss_tier_partial"]
+    assert [(s.start, s.end, s.block_hash) for s in part] == [(16, 20, a[4])]
+    run.do(evicts=[(h, "X") for h in b])
+    run.prompt("C", b)
+    run.do(admits=[("C", 0, 29, 0, 0)], chunks=[("C", 0, 0, 29)])
+    # B computed blocks 5-6 (tokens 20-28) with block 4 inside its whole chunk [16, 24): held now;
+    # block 6 (24-28) sat in B's partial chunk [24, 29)
+    assert run.causes("C") == {"miss_evicted": 24, "miss_tier_partial": 4, "miss_tail": 1}
+
+
+def test_without_a_tier_or_with_two_chunk_sizes_no_tier_cause():
+    for tiers in ([], [{"chunk_tokens": 8}, {"chunk_tokens": 16}]):
+        run = Run()
+        run.replay.structure(tiers=tiers)
+        a = chain("a", 5)
+        run.prompt("A", a)
+        run.do(admits=[("A", 0, 22, 0, 0)], chunks=[("A", 0, 0, 22)], finishes=["A"])
+        run.do(evicts=[(h, "X") for h in a])
+        run.prompt("B", a)
+        run.do(admits=[("B", 0, 22, 0, 0)], chunks=[("B", 0, 0, 22)])
+        assert run.causes("B") == {"miss_evicted": 20, "miss_tail": 2}

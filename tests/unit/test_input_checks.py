@@ -147,8 +147,8 @@ def test_attach_refuses_a_bad_otlp_url_before_attaching(tmp_path, kvtrace_cli):
     ("--storage-tier", "file:0", "--storage-tier 'file:0': BLOCKS must be a whole number above 0"),
     ("--storage-tier", "file:2.5", "--storage-tier 'file:2.5': BLOCKS must be a whole number above 0"),
     ("--storage-tier", "file:", "--storage-tier 'file:': BLOCKS must be a whole number above 0"),
-    ("--storage-tier", "none:4", "--storage-tier 'none:4': give none, or file[:BLOCKS][@READ_GBPS[/LATENCY_US]]"),
-    ("--storage-tier", "nvme", "--storage-tier 'nvme': give none, or file[:BLOCKS][@READ_GBPS[/LATENCY_US]]"),
+    ("--storage-tier", "none:4", "--storage-tier 'none:4': give none, file[:BLOCKS][@READ_GBPS[/LATENCY_US]]"),
+    ("--storage-tier", "nvme", "--storage-tier 'nvme': give none, file[:BLOCKS][@READ_GBPS[/LATENCY_US]]"),
 ])
 def test_whatif_refuses_bad_settings_before_reading(tmp_path, kvtrace_cli, option, value, words):
     # no dataset there: the setting is refused first (2), not the dataset (6)

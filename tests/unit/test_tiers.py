@@ -44,6 +44,10 @@ def test_lmcaches_server_endpoint_and_storage():
     assert lmcache.recognise(["/v/bin/python", "-m", "lmcache.v1.multiprocess.server"]) == 5555
     assert lmcache.recognise(["/v/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--port", "7311"]) is None
     assert lmcache.recognise(["/bin/sh", "-c", "python -m lmcache.v1.multiprocess.server"]) is None
+    # its L1's size, in bytes as LMCache reads --l1-size-gb (GiB); 0 when not given or not a size
+    assert lmcache.l1_bytes(argv + ["--l1-size-gb", "0.25"]) == 1 << 28
+    assert [lmcache.l1_bytes(argv + x) for x in ([], ["--l1-size-gb", "x"], ["--l1-size-gb=-1"], ["--l1-size-gb=inf"])] \
+        == [0, 0, 0, 0]
 
 
 LISTEN = ("import socket, sys, time\ns = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"

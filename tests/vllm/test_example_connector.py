@@ -121,3 +121,26 @@ def test_its_stores_span_save_kv_layer_and_hold_its_writes(run):
     # (its files on disk, all written while kvtrace watched)
     on_disk = sum(p.stat().st_size for p in run["store"].rglob("*") if p.is_file())
     assert sum(w["ret"] * (w["weight"] or 1) for w in writes) == on_disk
+
+
+def test_its_loads_read_its_files_through_mmap(run):
+    """The connector loads with safetensors, which maps each file and copies its tensors out: no
+    read system call for their bytes.  kvtrace sees the loads as the engine's page faults on
+    each file (file_map rows: the faults and their fault-around), from its first page (the
+    header) on.  The pages they name are a lower bound: the kernel maps a large folio whole on a
+    fault while the fault-around row names its window only (docs/schema.md, file_map)."""
+    import os
+
+    ds = run["ds"]
+    rows = ds.table("file_map").to_pylist()
+    pids = {r["pid"] for r in ds.table("hook_start").to_pylist()}
+    files = [p for p in run["store"].rglob("*.safetensors") if p.is_file()]
+    assert files
+    for p in files:
+        st = p.stat()
+        mine = [r for r in rows if (r["ino"], r["dev_major"], r["dev_minor"]) == (st.st_ino, os.major(st.st_dev),
+                                                                                  os.minor(st.st_dev))
+                and r["op"] in ("fault", "map")]
+        assert mine and {r["pid"] for r in mine} <= pids, (p, mine[:3])
+        pages = {q for r in mine for q in range(r["first_page"], r["first_page"] + r["pages"])}
+        assert 0 in pages and pages <= set(range(-(-st.st_size // 4096))), (p, len(pages), st.st_size)

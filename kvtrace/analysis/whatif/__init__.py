@@ -58,11 +58,18 @@ def run(directory, chunk_sizes=None, block_sizes=None, cache_blocks=None, tiers=
         raise UsageError("give --cache-blocks: the dataset does not tell the recorded KV cache size")
     check_memory(cache_blocks, limit)  # the recorded size too
     block_sizes = block_sizes or [wl.block_size]
-    tiers = tiers or ["none"]
+    tiers = tiers or [rec.get("storage_tier") or "none"]   # as recorded
     rows = _sweep(wl, list(itertools.product(chunk_sizes, block_sizes, cache_blocks, tiers)), max_num_seqs, say)
     return {"dataset": str(directory), "requests": len(wl.reqs), "recorded": rec,
             "step_model_ns": {"a": wl.model[0], "per_prefill_token": wl.model[1], "per_decode_request": wl.model[2]},
-            "storage_model": wl.storage.to_json(), "notes": wl.notes, "predictions": rows}
+            "storage_model": wl.storage.to_json(), **_tier_model(wl, tiers), "notes": wl.notes, "predictions": rows}
+
+
+def _tier_model(wl: Workload, tiers: list[str]) -> dict:
+    """The LMCache model, when the dataset recorded the tier or a setting replays one."""
+    if wl.tier.recorded or any(t.startswith("lmcache") for t in tiers):
+        return {"tier_model": wl.tier.to_json()}
+    return {}
 
 
 def _sweep(wl: Workload, grid: list[tuple], max_num_seqs: int, say=None) -> list[dict]:

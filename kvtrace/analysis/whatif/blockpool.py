@@ -7,7 +7,8 @@
   allocated (so a request admitted later in the same step can hit them); output blocks get
   hashes no prompt shares.
 * Admission (only in steps without a preemption): the longest cached prefix, at most
-  ``(tokens - 1) // block`` blocks; then the storage tier's consecutive blocks (tier.Tier);
+  ``(tokens - 1) // block`` blocks; then the storage tier's consecutive blocks (tier.Tier, or
+  LMCache's chunks: lmcache.LmcacheTier);
   admitted only if the whole sequence fits (vLLM's ``scheduler_reserve_full_isl``).
 * Steps: running requests first (prefill chunks, then 1 token per decode), each within the chunk
   budget; an allocation that fails preempts the last running request.  Admissions wait for the
@@ -19,7 +20,6 @@ from __future__ import annotations
 import functools
 import json
 import operator
-from collections import deque
 from itertools import compress, islice, repeat, takewhile
 
 import numpy as np
@@ -27,7 +27,8 @@ import pyarrow as pa
 
 from kvtrace.analysis.whatif.cache import CacheModel
 from kvtrace.analysis.whatif.freequeue import FreeQueue, as_ints
-from kvtrace.analysis.whatif.tier import Tier
+from kvtrace.analysis.whatif.lmcache import LmcacheTier
+from kvtrace.analysis.whatif.tier import Tier, parse_tier
 from kvtrace.errors import UsageError
 
 _not_none = functools.partial(operator.is_not, None)
@@ -50,12 +51,7 @@ class BlockPool(CacheModel):
         if drv.N < 2:
             raise UsageError(f"--cache-blocks {drv.N}: at least 2 (one is vLLM's null block)")
         super().__init__(drv)
-        self.tier = t = Tier(tier)
-        if t.on and t.gbps is not None and not wl.storage.block_bytes:
-            raise UsageError(f"--storage-tier {tier}: the dataset records no KV connector transfer to size a block by; "
-                             "record a run with a connector, or give the tier without a speed (file)")
-        # a loaded block's time, scaled to this block size
-        self.load_ns = wl.storage.per_block_ns(t.gbps, t.latency_us) * (drv.B // wl.block_size) if t.on else 0.0
+        self.tier = self._tier(tier, drv)
         n = drv.N - 1
         self.queue = FreeQueue(n)
         self.bhash: list = [None] * n
@@ -63,6 +59,18 @@ class BlockPool(CacheModel):
         self.cached: dict = {}               # key -> [block ids holding it]
         self.head: dict = {}                 # key -> the first of them (the one a hit takes)
         self.ever: set = set()               # keys ever computed (recompute accounting)
+
+    @staticmethod
+    def _tier(name: str, drv) -> Tier | LmcacheTier:
+        wl, spec = drv.wl, parse_tier(name)
+        if spec.kind == "lmcache":
+            return LmcacheTier(name, spec, wl.tier, drv.B, drv.stats)
+        if spec.on and spec.gbps is not None and not wl.storage.block_bytes:
+            raise UsageError(f"--storage-tier {name}: the dataset records no KV connector transfer to size a block by; "
+                             "record a run with a connector, or give the tier without a speed (file)")
+        # a loaded block's time, scaled to this block size
+        ns = wl.storage.per_block_ns(spec.gbps, spec.latency_us) * (drv.B // wl.block_size) if spec.on else 0.0
+        return Tier(name, ns)
 
     @staticmethod
     def bytes_for(cache_blocks: int) -> int:
@@ -112,9 +120,7 @@ class BlockPool(CacheModel):
         """r's cached prefix, then the tier's next blocks; admitted when its whole sequence fits."""
         B, keys, tier = self.B, r.keys, self.tier
         hit = self.match(r)
-        ext = 0
-        if tier.on:
-            ext = len(list(takewhile(tier.keys.__contains__, islice(keys, hit, min((r.num_tokens - 1) // B, len(keys))))))
+        ext = tier.lookup(keys, hit, min((r.num_tokens - 1) // B, len(keys))) if tier.on else 0
         computed = (hit + ext) * B
         n = min(r.num_tokens - computed, budget)
         if not self._take(r):
@@ -122,9 +128,8 @@ class BlockPool(CacheModel):
             return None
         self.alloc(r, computed + n)
         self.stats["storage_loads"] += ext
-        drv.wait_ns += ext * self.load_ns
         if ext:
-            deque(map(tier.keys.move_to_end, keys[hit:hit + ext]), 0)
+            drv.wait_ns += tier.load(keys, hit, ext)
         r.computed = computed
         r.hashed = hit  # hit blocks carry their hash already
         self._hash_full(r, computed + n, loaded_upto=hit + ext)
@@ -217,7 +222,7 @@ class BlockPool(CacheModel):
                 else:
                     ever.add(k)
                 if self.tier.on:
-                    self.tier.store(k)
+                    self.tier.computed(r.keys, j)
         if upto > r.hashed:
             r.hashed = upto
 

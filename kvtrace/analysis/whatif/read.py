@@ -5,6 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 from kvtrace.analysis import load
+from kvtrace.analysis.whatif.lmcache import fit as fit_tier
 from kvtrace.analysis.whatif.recorded import clock, figures, fit_steps, ttft
 from kvtrace.analysis.whatif.requests import chains, closed_loop, first_hits, recorded_requests
 from kvtrace.analysis.whatif.storage import fit, quiet_steps
@@ -28,10 +29,11 @@ def workload(directory) -> Workload:
     quiet = quiet_steps(steps, inp)
     model = fit_steps(steps.filter(pa.array(quiet)) if steps.num_rows and quiet.sum() >= 3 else steps)
     rec["ttft"] = ttft(inp, steps)
-    rec["storage_tier"] = "file" if storage.loads else "none"
+    tier = fit_tier(inp, storage.block_bytes, b0)
+    rec["storage_tier"] = tier.spec() if tier.recorded else "file" if storage.loads else "none"
     notes = notes + [f"{closed} of {len(reqs)} requests replayed closed-loop at other settings"]
     return Workload(reqs, b0, rec, model, notes + ([f"storage: {storage.note}"] if storage.note else []), storage,
-                    clock(steps, reqs, finish_at), first_hits(inp, b0), kind=kind)
+                    clock(steps, reqs, finish_at), first_hits(inp, b0), kind=kind, tier=tier)
 
 
 def server_kind(directory, inp: load.Inputs) -> str:

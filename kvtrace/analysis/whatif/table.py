@@ -33,6 +33,12 @@ def print_table(res: dict, wide: bool = False) -> None:
         c.print(f"storage: {sm['block_bytes']:,} bytes a block; {sm['read_ns_per_block'] / 1e3:,.1f} µs reading it"
                 + (f" ({gb:.3f} GB/s)" if gb else "") + f" + {sm['fixed_ns_per_block'] / 1e3:,.1f} µs of the connector's own, "
                 f"from {sm['fitted_on_loads']} recorded loads")
+    tm = res.get("tier_model")
+    if tm:
+        c.print(f"LMCache: {tm['chunk_tokens']} tokens a chunk, {tm['token_bytes']:,.0f} bytes a token, L1 "
+                + (f"{tm['l1_bytes'] / (1 << 30):g} GiB" if tm["l1_bytes"] else "size not recorded (unbounded)")
+                + f"; per token {tm['retrieve_ns_per_token']:,.0f} ns L1 -> the engine, {tm['l2_read_ns_per_token']:,.0f} ns "
+                f"disk -> L1 (from {tm['fitted_on_retrieves']} retrieves and {tm['fitted_on_l2_reads']} L2 reads)")
     cols = [Col("chunk"), Col("block", 2), Col("cache blocks", 2), Col("tier", justify="left"), Col("hit rate"),
             Col("hit tokens (local+storage)", 3), Col("recomputed tokens", 3), Col("evictions", 2),
             Col("storage loads (blocks)", 3), Col("storage wait ms", 1), Col("TTFT p50 ms"), Col("TTFT p90 ms", 1),
@@ -43,6 +49,10 @@ def print_table(res: dict, wide: bool = False) -> None:
              f"{r['storage_loads']:,}", _ms(r["storage_wait_ns"]), _ms(r["ttft_p50_ns"]), _ms(r["ttft_p90_ns"]),
              "-" if r["output_tokens_per_s"] is None else f"{r['output_tokens_per_s']:,.1f}",
              str(r["preemptions"]), f"{r['steps']:,}"] for r in res["predictions"]]
+    if any("tier_l1_chunks" in r for r in res["predictions"]):
+        cols.insert(9, Col("LMCache chunks L1/L2", 2))
+        for row, r in zip(rows, res["predictions"]):
+            row.insert(9, f"{r['tier_l1_chunks']:,}/{r['tier_l2_chunks']:,}" if "tier_l1_chunks" in r else "-")
     Term(c, wide, hint="--json shows them").table("whatif: predictions per setting", cols, rows)
     for n in res["notes"]:
         c.print(f"note: {n}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvtrace.analysis.whatif.lmcache import TierModel
 from kvtrace.analysis.whatif.storage import StorageModel
 
 
@@ -52,6 +53,7 @@ class Workload:
     hits: dict = field(default_factory=dict)   # request -> blocks it hit at its first admission, as recorded
     passes_before: int | None = None           # SGLang's pass count at the attach (radix.passes_before)
     kind: str = field(kw_only=True)            # the server kind recorded (kvtrace.servers.registry)
+    tier: TierModel = field(default_factory=TierModel, kw_only=True)   # the recorded LMCache tier, if any
 
     def distinct(self) -> dict:
         """id(chain) -> whether the chain has no hash twice (computed once for every replay)."""

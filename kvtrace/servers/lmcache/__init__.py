@@ -60,6 +60,15 @@ def chunk_size(argv: list[str]) -> int:
         return 256
 
 
+def l1_bytes(argv: list[str]) -> int:
+    """Its L1's size in bytes (--l1-size-gb, GiB as LMCache reads it); 0 when not given."""
+    try:
+        gb = float(_arg(argv, "--l1-size-gb") or 0)
+    except ValueError:
+        return 0
+    return int(gb * (1 << 30)) if gb > 0 and gb != float("inf") else 0
+
+
 def metrics(argv: list[str]) -> str | None:
     """Its Prometheus endpoint (pull mode, on every interface at --prometheus-port, 9090 by
     default); None when its metrics are off or pushed over OTLP instead."""
@@ -73,4 +82,4 @@ def metrics(argv: list[str]) -> str | None:
 
 TIER = TierKind(name="lmcache", title="LMCache", package="lmcache", connectors=("LMCacheMPConnector",),
                 endpoint=endpoint, recognise=recognise, storage=storage, chunk_size=chunk_size, metrics=metrics, metrics_prefix="lmcache_",
-                hook_module="kvtrace.hook.lmcache.hook")
+                hook_module="kvtrace.hook.lmcache.hook", memory=l1_bytes)
