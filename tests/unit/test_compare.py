@@ -79,3 +79,17 @@ def test_bad_gates_are_one_line_exit_2(runs, gate, why):
 def test_a_missing_dataset_exits_6(runs, tmp_path):
     p = cli("compare", runs[0], tmp_path / "nothing")
     assert p.returncode == 6 and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_reload_speedup_from_kvtraces_loads_else_from_the_kv_tier():
+    """A run whose loads went through a KV tier (LMCache) has no kv_load rows of kvtrace's own:
+    its speedup is recompute per token over the tier's L2 reads and retrieves per loaded token."""
+    tier = {"reload_vs_recompute": {"retrieve": {"tokens": 512, "ms": 2.0}, "l2_read": {"tokens": 256, "ms": 3.12},
+                                    "recompute": {"ms_per_token": 0.05}}}
+    assert compare.figure({"reload_vs_recompute": {"speedup": 4.5}, "tier": tier}, compare._reload_speedup) == 4.5
+    got = compare.figure({"reload_vs_recompute": {"speedup": None}, "tier": tier}, compare._reload_speedup)
+    assert got == pytest.approx(0.05 / (5.12 / 512))
+    assert compare.figure({"reload_vs_recompute": {"speedup": None}}, compare._reload_speedup) is None
+    empty = {"reload_vs_recompute": {"retrieve": {"tokens": 0, "ms": 0}, "l2_read": {"tokens": 0, "ms": 0},
+                                     "recompute": {"ms_per_token": 0.05}}}
+    assert compare.figure({"reload_vs_recompute": {}, "tier": empty}, compare._reload_speedup) is None
