@@ -76,6 +76,10 @@ TABLES: dict[str, pa.Schema] = {
         ("event", d), ("block_idx", u32), ("block_hash", u64), ("parent_hash", u64), ("token_count", u32),
         ("tokens_hash", u64), ("block_size", u32), ("medium", s), ("group_idx", i32), ("spec_kind", s),
         ("lora_id", i64), ("lora_name", s), ("session_id", s), ("replayed", b),
+        # vLLM 0.2x-0.33's later fields, each by name; `reused`: a BlockStored of a block already
+        # stored (kv_cache_report_mode "full" reports reused prefix blocks so): not a new store
+        ("extra_keys", s), ("spec_window", i64), ("locality", s), ("ownership", s), ("lookahead_tokens", u32),
+        ("reused", b),
     ]),
     # The traced server's Prometheus /metrics, its kind's samples per scrape (kvtrace.servers.metrics).
     "server_metrics": pa.schema([

@@ -8,8 +8,9 @@ count and a 64-bit hash per block.
 from __future__ import annotations
 
 import hashlib
+import json
 from array import array
-from collections import Counter
+from collections import Counter, OrderedDict
 
 import pyarrow as pa
 
@@ -19,6 +20,8 @@ TABLE = "kv_events"
 MASK64 = (1 << 64) - 1
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 STORED, REMOVED, CLEARED = "BlockStored", "BlockRemoved", "AllBlocksCleared"
+PRESENT_MAX = 4_000_000   # blocks the decoder remembers as stored (to mark re-reported ones), at most
+EXTRA_MAX = 512           # characters of one block's extra keys kept
 
 # Positional field order of the array-encoded (older) event form, after the tag.
 FIELDS = {
@@ -36,6 +39,10 @@ FIELDS = {
 #   event_idx      position of the event in its batch; block_idx: of the block in its event
 #   block_hash     vLLM's int form (low 64 bits); parent_hash: the previous block in the chain
 #   token_count / tokens_hash  count and blake2b-64 of the block's token ids (ids are not kept)
+#   extra_keys     the block's entry of extra_keys (LoRA name, (mm id, offset) pairs, cache_salt,
+#                  embedding digests) as compact JSON, at most EXTRA_MAX characters
+#   reused         a BlockStored of a (block, group, medium) the stream already stored and did not
+#                  remove: kv_cache_report_mode "full" reports reused prefix blocks so
 SCHEMA = schema.TABLES[TABLE]
 COLUMNS = SCHEMA.names
 
@@ -76,6 +83,17 @@ def _str(v, limit=256):
     return v[:limit] if isinstance(v, str) else None
 
 
+def _per_block(v) -> list | None:
+    """A per-block list field (extra_keys, lookahead_token_ids), or None."""
+    return list(v) if isinstance(v, (list, tuple)) else None
+
+
+def _bytes_hex(v):
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        return bytes(v).hex()
+    raise TypeError(type(v).__name__)
+
+
 class Decoder:
     """Payload bytes → rows.  Never raises on input; counts what it could not use."""
 
@@ -88,6 +106,9 @@ class Decoder:
         self.bad_events = 0     # an event that is not a known shape (skipped)
         self.bad_fields = 0     # a field of the wrong type (row kept, value null)
         self.events = Counter()
+        self.present: OrderedDict = OrderedDict()   # (hash, group, medium) stored and not removed
+        self.present_dropped = 0   # forgotten past PRESENT_MAX (a re-report of one reads as new)
+        self.reused = 0
 
     def batch(self, payload: bytes):
         """(ts, events, dp_rank) or None."""
@@ -154,14 +175,18 @@ class Decoder:
             "event": tag, "medium": _str(f.get("medium"), 32), "group_idx": _int(f.get("group_idx"), -(1 << 31), (1 << 31) - 1),
             "replayed": replayed,
         }
+        if tag == CLEARED:
+            self.present.clear()
         if tag == CLEARED or not isinstance(hashes, (list, tuple)):
             self._append(cols, common, block_idx=None, block_hash=None, parent_hash=None)
             return 1
         if tag == REMOVED:
+            common.update(locality=_str(f.get("locality"), 32), ownership=_str(f.get("ownership"), 64))
             for j, h in enumerate(hashes):
                 v = block_hash(h)
                 if v is None:
                     self.bad_fields += 1
+                self.present.pop((v, common["group_idx"], common["medium"]), None)
                 self._append(cols, common, block_idx=j, block_hash=v, parent_hash=None)
             return len(hashes)
         if tag != STORED:
@@ -179,7 +204,10 @@ class Decoder:
         extra = {
             "block_size": bs, "spec_kind": _str(f.get("kv_cache_spec_kind"), 64), "lora_id": _int(f.get("lora_id")),
             "lora_name": _str(f.get("lora_name")), "session_id": _str(f.get("session_id")),
+            "spec_window": _int(f.get("kv_cache_spec_sliding_window")), "locality": _str(f.get("locality"), 32),
+            "ownership": _str(f.get("ownership"), 64),
         }
+        keys, ahead = _per_block(f.get("extra_keys")), _per_block(f.get("lookahead_token_ids"))
         nb = len(hashes)
         for j, h in enumerate(hashes):
             v = block_hash(h)
@@ -197,9 +225,42 @@ class Decoder:
             if chunk and th is None:
                 self.bad_fields += 1
             self._append(cols, common, block_idx=j, block_hash=v, parent_hash=parent,
-                         token_count=len(chunk) if chunk is not None else None, tokens_hash=th, **extra)
+                         token_count=len(chunk) if chunk is not None else None, tokens_hash=th,
+                         extra_keys=self._extra(keys, j), lookahead_tokens=self._ahead(ahead, j),
+                         reused=self._stored((v, common["group_idx"], common["medium"])), **extra)
             parent = v
         return nb
+
+    def _stored(self, key) -> bool:
+        """Note a stored block; True when it was stored already (a re-report, not a new store)."""
+        if key[0] is None:
+            return False
+        if key in self.present:
+            self.present.move_to_end(key)
+            self.reused += 1
+            return True
+        self.present[key] = None
+        if len(self.present) > PRESENT_MAX:
+            self.present.popitem(last=False)
+            self.present_dropped += 1
+        return False
+
+    def _extra(self, keys: list | None, j: int) -> str | None:
+        if keys is None or j >= len(keys) or keys[j] is None:
+            return None
+        try:
+            return json.dumps(keys[j], separators=(",", ":"), default=_bytes_hex)[:EXTRA_MAX]
+        except (TypeError, ValueError):
+            self.bad_fields += 1
+            return None
+
+    def _ahead(self, ahead: list | None, j: int) -> int | None:
+        if ahead is None or j >= len(ahead):
+            return None
+        if not isinstance(ahead[j], (list, tuple)):
+            self.bad_fields += 1
+            return None
+        return len(ahead[j])   # a count: the ids are never kept
 
     @staticmethod
     def _append(cols, common, **row) -> None:

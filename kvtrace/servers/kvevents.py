@@ -155,7 +155,7 @@ class KvEventSubscriber:
                 "peer_check": self.peers is not None, "rejected_last": self.rejected_last,
                 "internal_errors": self.c["internal_errors"] + (self._relay.errors if self._relay else 0),
                 "bad_payloads": d.bad_payloads, "bad_events": d.bad_events, "bad_fields": d.bad_fields,
-                "events": dict(d.events),
+                "events": dict(d.events), "reused_stores": d.reused, "present_dropped": d.present_dropped,
             })
         return out
 

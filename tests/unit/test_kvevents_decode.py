@@ -202,3 +202,39 @@ def test_endpoint_rules_follow_vllm():
     assert kvevents.rank_endpoint("tcp://*:0", 2) == "tcp://*:0"
     assert kvevents.rank_endpoint(None, 1) is None
     assert kvevents.tcp_hostport("tcp://[::ffff:127.0.0.1]:5557") == ("127.0.0.1", 5557)
+
+
+def test_every_later_field_by_name_and_re_reported_stores_marked_reused():
+    """vLLM 0.33's BlockStored fields beyond the first ones, each kept by name (lookahead token ids
+    as a count only); a BlockStored of a block already stored (kv_cache_report_mode "full"
+    re-reports reused prefix blocks) is marked reused, until the block is removed or cleared."""
+    stored = {"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": None, "token_ids": list(range(8)),
+              "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": "ad1",
+              "extra_keys": [["ad1", ["mm0", 3], "salt-x"], None], "group_idx": 1,
+              "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 512, "locality": "LOCAL",
+              "ownership": "cpu-offload", "session_id": "s1", "lookahead_token_ids": [[5, 6, 7], [8, 9, 10]]}
+    again = dict(stored, block_hashes=[11])
+    other_group = dict(stored, block_hashes=[11], group_idx=0)
+    removed = {"type": "BlockRemoved", "block_hashes": [11], "medium": "GPU", "group_idx": 1, "locality": "REMOTE",
+               "ownership": "nixl"}
+    d = Decoder()
+    cols = kvevents._new_cols()
+    for k, evs in enumerate(([stored], [again, other_group], [removed], [again], [{"type": "AllBlocksCleared"}],
+                             [again])):
+        d.rows(cols, enc([1.0, evs, 0]), k, 1000, False)
+    rows = to_table(cols).to_pylist()
+    first = rows[0]
+    assert (first["extra_keys"], first["spec_window"], first["locality"], first["ownership"], first["lookahead_tokens"]) \
+        == ('["ad1",["mm0",3],"salt-x"]', 512, "LOCAL", "cpu-offload", 3)
+    assert rows[1]["extra_keys"] is None and rows[1]["lookahead_tokens"] == 3
+    assert [(r["event"], r["block_hash"], r["group_idx"], r["reused"]) for r in rows] == [
+        ("BlockStored", 11, 1, False), ("BlockStored", 12, 1, False),
+        ("BlockStored", 11, 1, True),      # re-reported: still stored in group 1
+        ("BlockStored", 11, 0, False),     # another group's block
+        ("BlockRemoved", 11, 1, None),
+        ("BlockStored", 11, 1, False),     # stored again after its removal
+        ("AllBlocksCleared", None, None, None),
+        ("BlockStored", 11, 1, False)]     # and after a clear
+    assert (rows[4]["locality"], rows[4]["ownership"]) == ("REMOTE", "nixl")
+    assert d.reused == 1 and d.bad_fields == 0
+    assert all("token_ids" not in r and "lookahead_token_ids" not in r for r in rows)

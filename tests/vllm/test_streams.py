@@ -237,6 +237,31 @@ def test_streams_match_independent_views(server, capsys):
               f"{scraper.stats()['scrapes']} scrapes, {mt.num_rows} metric rows")
 
 
+def test_reused_blocks_reported_again_are_marked_reused(server):
+    """A request asking vLLM to report the blocks it reuses (`kv_cache_report_mode: "full"`) gets
+    them published as BlockStored again: kvtrace marks exactly those rows reused (one per block
+    the request hit, as its response counts them), and no first store."""
+    srv = server
+    endpoint, _ = kvevents.subscriber_endpoint(srv.kv_cfg["endpoint"])
+    sub = kvevents.KvEventSubscriber(endpoint, kvevents.replay_address(srv.kv_cfg["replay_endpoint"]))
+    assert sub.start() == []
+    time.sleep(1.0)  # subscribed (ZMQ's slow joiner)
+    p = prompt(random.Random(35), 700)
+    first = srv.complete(p, max_tokens=4)
+    again = srv.complete(p, max_tokens=4, vllm_xargs={"kv_cache_report_mode": "full"})
+    time.sleep(1.5)
+    sub.stop()
+    t = sub.drain()["kv_events"]
+    stored = t.filter(pc.equal(t.column("event"), "BlockStored"))
+    hit = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 and hit == BLOCK * ((700 - 1) // BLOCK)
+    reused = stored.filter(pc.equal(stored.column("reused"), True))
+    assert reused.num_rows == hit // BLOCK == sub.stats()["reused_stores"]
+    # the first request's blocks were new stores; the repeat re-reported them, by the same hashes
+    new = stored.filter(pc.equal(stored.column("reused"), False)).column("block_hash").to_pylist()
+    assert set(reused.column("block_hash").to_pylist()) <= set(new) and len(new) == 700 // BLOCK
+
+
 @pytest.mark.root
 @pytest.mark.xfail(strict=False, reason="known defect, open: through the peer-checking relay, kvtrace's first "
                    "connection to a server-bound publisher comes up after the batches published in the first second "
