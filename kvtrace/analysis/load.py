@@ -101,11 +101,15 @@ COLUMNS: dict[str, list[tuple[str, str, str]]] = {
     "tiers": [("ts_ns", "ts_ns", "I"), ("kind", "kind", "S"), ("pid", "pid", "I"), ("port", "port", "I"),
               ("connector", "connector", "S"), ("version", "version", "S"), ("storage", "storage", "S"),
               ("chunk_tokens", "chunk_tokens", "I")],
+    "spec_step": [("pid", "pid", "I"), ("step", "step", "I"), ("drafts", "drafts", "I"), ("accepted", "accepted", "I"),
+                  ("kept", "kept", "I"), ("generated", "generated", "I")],
+    "spec_req": [("pid", "pid", "I"), ("request", "request", "S"), ("drafts", "drafts", "I"),
+                 ("accepted", "accepted", "I"), ("output_tokens", "output_tokens", "I")],
     "file_map": [("pid", "pid", "I"), ("op", "op", "S"), ("dev_major", "dev_major", "I"), ("dev_minor", "dev_minor", "I"),
                  ("ino", "ino", "I"), ("pages", "pages", "I")],
 }
 HOOK_TABLES = ("step", "chunk", "admit", "evict", "preempt", "kv_load", "kv_store", "arrive", "finish", "prompt_blocks",
-               "kv_alloc", "kv_done", "kv_finish", "kv_invalid", "tier_lookup", "tier_op")
+               "kv_alloc", "kv_done", "kv_finish", "kv_invalid", "tier_lookup", "tier_op", "spec_step", "spec_req")
 # Without these there is nothing of vLLM to analyse.
 REQUIRED = ("step", "chunk", "admit")
 

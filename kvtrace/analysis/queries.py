@@ -380,6 +380,14 @@ FIGURES: dict[str, str] = {
         SUM(decode_tokens) AS decode_tokens, SUM(prefill_tokens) AS prefill_tokens, SUM(preempted) AS preemptions,
         SUM(evicted) AS evicted FROM stp GROUP BY run, pid ORDER BY run, pid""",
     "first_tokens": "SELECT COUNT(*) AS n FROM chk WHERE is_last = 1",
+    # speculative decoding: each step's draft tokens once (a step's scheduled decode tokens count
+    # them), the accepted ones, and the requests' own counts at their finish
+    "spec": """SELECT COUNT(*) AS steps, COALESCE(SUM(drafts), 0) AS drafts, COALESCE(SUM(accepted), 0) AS accepted,
+        COALESCE(SUM(kept), 0) AS kept, COALESCE(SUM(generated), 0) AS generated FROM (
+        SELECT DISTINCT run, pid, step, drafts, accepted, kept, generated FROM spec_step) t""",
+    "spec_requests": """SELECT COUNT(*) AS requests, COALESCE(SUM(drafts), 0) AS drafts,
+        COALESCE(SUM(accepted), 0) AS accepted, COALESCE(SUM(output_tokens), 0) AS output_tokens FROM (
+        SELECT DISTINCT run, pid, request, drafts, accepted, output_tokens FROM spec_req) t""",
     "read_bytes": f"""SELECT (SELECT COALESCE(SUM(nbytes), 0) FROM kv_load WHERE request <> '') AS kv_load_bytes,
         (SELECT COALESCE(SUM(bytes * COALESCE(NULLIF(weight, 0), 1)), 0) FROM block_io WHERE op = 'R' AND (error = 0 OR error IS NULL)) AS block_read_bytes,
         (SELECT COALESCE(SUM(bytes * w), 0) FROM fread) AS file_read_bytes""",

@@ -162,6 +162,8 @@ def build(rows: dict[str, list[dict]], inp: load.Inputs) -> dict:
     if tiers is not None:   # only a dataset with a tier server's records has the section
         rep["tier"] = tiers
     rep["service"] = _service(rows, one, pt, gaps)
+    if one["spec"].get("steps"):   # only a dataset with speculative decoding has the section
+        rep["speculative"] = _speculative(one)
     rep["metrics"] = metrics_note(rows["metrics"], reuse)
     rep["verdict"] = verdict(rep)
     warnings = connector.hit_warnings(rows, reuse)
@@ -400,11 +402,24 @@ def _storage(rows: dict[str, list[dict]]) -> dict:
             "slow_chunks": slow_chunks(rows)}
 
 
+def _speculative(one: dict[str, dict]) -> dict:
+    """Draft tokens the scheduler proposed and the model accepted, per step and per request."""
+    sp, sr = one["spec"], one["spec_requests"]
+    return {"steps": sp["steps"], "drafts": sp["drafts"], "accepted": sp["accepted"], "kept": sp["kept"],
+            "acceptance_rate": _ratio(sp["accepted"], sp["drafts"]),
+            "requests": sr.get("requests") or 0, "request_drafts": sr.get("drafts") or 0,
+            "request_accepted": sr.get("accepted") or 0, "request_output_tokens": sr.get("output_tokens") or 0}
+
+
 def _service(rows: dict[str, list[dict]], one: dict[str, dict], pt: int, gaps: list[str]) -> dict:
     """Service figures: TTFT, throughput, bytes read, preemptions."""
     win = rows["window"]
     window_ns = sum((r["t1"] or 0) - (r["t0"] or 0) for r in win)
-    out_tokens = sum(r["decode_tokens"] or 0 for r in win) + (one["first_tokens"].get("n") or 0)
+    sp = one["spec"]
+    # a step's decode tokens count its draft tokens; a decoding request got 1 + its accepted
+    # ones, those past its end dropped (kept)
+    out_tokens = (sum(r["decode_tokens"] or 0 for r in win) + (one["first_tokens"].get("n") or 0)
+                  - (sp.get("drafts") or 0) + (sp.get("kept") or 0))
     tt = one["ttft"]
     rb = one["read_bytes"]
     read_bytes = {k: rb.get(k) or 0 for k in ("kv_load_bytes", "block_read_bytes", "file_read_bytes")}
@@ -552,6 +567,11 @@ def headline(rep: dict, kinds: list) -> list[str]:
                f"{inf['missed_tokens']:,} tokens missed because a shared prefix was still being computed")
     out.append(f"evictions: {ev['evictions']:,}; {ev['rereferenced']:,} evicted blocks were needed again, "
                f"{ev['thrash_blocks']:,} of them recomputed (thrash, {ev['thrash_tokens']:,} tokens)")
+    sp = rep.get("speculative")
+    if sp:
+        rate = "-" if sp["acceptance_rate"] is None else f"{100 * sp['acceptance_rate']:.1f}%"
+        out.append(f"speculative decoding: {sp['accepted']:,} of {sp['drafts']:,} draft tokens accepted ({rate}) in "
+                   f"{sp['steps']:,} steps; {rep['service']['output_tokens']:,} output tokens (drafts not counted)")
     v = rep["verdict"]
     if v["bottleneck"]:
         out.append(f"bottleneck: {v['bottleneck']} ({v['evidence'][0]})")

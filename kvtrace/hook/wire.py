@@ -146,6 +146,15 @@ RECORDS: dict[int, tuple[str, list[tuple[str, str]]]] = {
     # bytes, ok = 0 when it failed.
     27: ("tier_op", [("t_start_ns", "Q"), ("t_end_ns", "Q"), ("request", "s"), ("op", "s"), ("keys", "I"),
                      ("num_tokens", "I"), ("nbytes", "Q"), ("ok", "B"), ("tier", "s")]),
+    # Speculative decoding (kvtrace.hook.vllm.spec): a step that scheduled draft tokens, with the
+    # drafts the model accepted (as vLLM counts them: sampled tokens - 1 per drafted request), those
+    # of them kept as output (a request that reached its end drops the rest) and the tokens every
+    # request got in it; and, at a request's finish on a server that speculates, its drafts,
+    # accepted drafts and output tokens.
+    28: ("spec_step", [("step", "Q"), ("t_ns", "Q"), ("drafts", "I"), ("accepted", "I"), ("kept", "I"),
+                       ("generated", "I")]),
+    29: ("spec_req", [("step", "Q"), ("t_ns", "Q"), ("request", "s"), ("drafts", "I"), ("accepted", "I"),
+                     ("output_tokens", "I")]),
 }
 
 EVICTS_MAX = 200  # evictions per `evicts` record (3,200 bytes of blocks: one record fits a frame)

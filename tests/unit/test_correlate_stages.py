@@ -460,3 +460,15 @@ def test_correlate_wires_the_stages():
         "io_uring": [False, False], "nvme_cmd": [True, True, False, False], "kv_alloc": [], "kv_done": []}
     assert res.steps["nic_deltas"].to_pylist() == [""] and res.steps["nvme_commands"].to_pylist() == [2.0]
     assert [g["step"] for g in res.nvme_groups] == [1, 1]
+
+
+def test_a_steps_storage_wait_is_its_slowest_ranks():
+    """Tensor-parallel ranks run a step in lock step: the step waits for the slowest rank's loads
+    and layer waits, not for the union of every rank's loads plus every rank's waits."""
+    from kvtrace.correlate.stages.steps import _critical_wait
+
+    ranks = {101: [[(0, 10), (5, 15)], 3],     # union 15 + 3 waited in layers = 18
+             102: [[(2, 8)], 2],               # 6 + 2 = 8
+             103: [[(90, 120)], 0]}            # clipped to the step's end (100): 10
+    assert _critical_wait(ranks, 0, 100) == 18
+    assert _critical_wait({101: [[(0, 10)], 0]}, 4, 100) == 6        # one rank: its union inside the step

@@ -37,6 +37,13 @@ def _union_len(iv: list[tuple[int, int]]) -> int:
     return total
 
 
+def _critical_wait(ranks: dict[int, list], t0: int, t1: int) -> int:
+    """A step's storage wait: its slowest rank's (the ranks run the step in lock step, so the step
+    waits for the last of them), each rank's the union of its loads inside [t0, t1] plus the
+    layer waits of its connector."""
+    return max(_union_len([(max(a, t0), min(b, t1)) for a, b in iv]) + extra for iv, extra in ranks.values())
+
+
 def bottleneck(sched_ns: int, storage_ns: int, compute_ns: int, resumed: bool = False) -> str:
     """The largest of scheduling, storage wait and compute; compute of a re-admitted request
     (recomputing what a preemption dropped) is ``recompute``."""
@@ -65,8 +72,8 @@ def step_aggregates(ctx: Context, transfers: Transfers, kio: dict[str, KernelIO]
     exec_start, exec_end = steps["t_sched_end_ns"].astype(np.int64), steps["t_end_ns"].astype(np.int64)
     sched_ns = np.maximum(steps["t_sched_end_ns"].astype(np.int64) - steps["t_start_ns"].astype(np.int64), 0)
     exec_ns = np.maximum(exec_end - exec_start, 0)
-    loads = [[] for _ in range(n)]
-    extra_wait = np.zeros(n, np.int64)
+    # per step, per worker process (a tensor-parallel rank): its load intervals and layer waits
+    loads: list[dict[int, list]] = [{} for _ in range(n)]
     agg = {k: np.zeros(n, np.int64) for k in ("load_count", "load_bytes", "store_count", "store_bytes")}
     for i in np.flatnonzero(transfers.step >= 0).tolist():
         s = int(transfers.step[i])
@@ -75,16 +82,16 @@ def step_aggregates(ctx: Context, transfers: Transfers, kio: dict[str, KernelIO]
         agg[f"{d}_bytes"][s] += int(tr["nbytes"][i])
         if d == "load":
             t0 = int(tr["t_start_ns"][i])
+            rank = loads[s].setdefault(int(tr["pid"][i]), [[], 0])
             if tr["source"][i].startswith("connector:"):
-                loads[s].append((t0, int(tr["t_issue_end_ns"][i]) or int(tr["t_end_ns"][i])))
-                extra_wait[s] += int(tr["wait_ns"][i])
+                rank[0].append((t0, int(tr["t_issue_end_ns"][i]) or int(tr["t_end_ns"][i])))
+                rank[1] += int(tr["wait_ns"][i])
             else:
-                loads[s].append((t0, int(tr["t_end_ns"][i])))
+                rank[0].append((t0, int(tr["t_end_ns"][i])))
     storage_wait = np.zeros(n, np.int64)
     for s in range(n):
-        if loads[s] or extra_wait[s]:
-            iv = [(max(a, int(exec_start[s])), min(b, int(exec_end[s]))) for a, b in loads[s]]
-            storage_wait[s] = min(_union_len(iv) + int(extra_wait[s]), int(exec_ns[s]))
+        if loads[s]:
+            storage_wait[s] = min(_critical_wait(loads[s], int(exec_start[s]), int(exec_end[s])), int(exec_ns[s]))
     compute = np.maximum(exec_ns - storage_wait, 0)
     return StepAgg(sched_ns, exec_ns, storage_wait, compute, agg, step_io_bytes(n, kio))
 

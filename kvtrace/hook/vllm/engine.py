@@ -20,7 +20,7 @@ from .. import state
 from ..state import (FLUSH_EVERY_NS, FLUSH_RECORDS, MAX_TRACKED, _enqueue, _flush, _hook_start, _leave_if_owner_gone,
                      _monotonic_ns, _new_agent, _refresh)
 from ..wire import EVICTS_MAX, PROMPT_PIECE
-from . import connector, releases
+from . import connector, releases, spec
 
 # The shared state's objects are bound here by assignment, not by `from ..state import`: CPython
 # 3.11+ compiles `T.error(e)` on an imported name as an attribute load that makes a bound method
@@ -33,7 +33,7 @@ class _Engine:
     """EngineCore state, reset whenever the agent goes away."""
 
     __slots__ = ("on", "rec", "step", "cur_req", "last_alloc", "reqs", "alloc", "steps", "evicted", "ev",
-                 "alloc_failures", "broken", "seen_check", "agents", "counting")
+                 "alloc_failures", "broken", "seen_check", "agents", "counting", "spec", "spec_now")
 
     def __init__(self):
         self.counting = False   # the hook numbers the steps (_schedule_pre_counting); kept over resets
@@ -54,6 +54,8 @@ class _Engine:
         self.broken = ""
         self.seen_check = 0
         self.agents: frozenset = frozenset()   # the agents attached at the last flag check (_new_agent)
+        self.spec = False                     # the scheduler proposes draft tokens (kvtrace.hook.vllm.spec)
+        self.spec_now = None                  # the step's scheduled drafts, between update_from_output's pre and post
 
 
 S = _Engine()
@@ -113,6 +115,8 @@ def _engine_on(sched) -> None:
     if S.broken:
         S.rec = False
         log.warning("kvtrace hook: records off in this process: %s", S.broken)
+    spec.reset()
+    S.spec = S.rec and spec.enabled(sched)
     _new_agent(S)
     _hook_start("engine", "vllm", releases.version())
     if S.rec:
@@ -353,11 +357,16 @@ def _snapshot(sched) -> None:
 _NO_STEP = ()   # update_from_output of a step not recorded, with records waiting to be sent
 
 
-def _update_pre(self, scheduler_output):
-    """Scheduler.update_from_output: the step's summary from schedule(), if any."""
+def _update_pre(self, scheduler_output, model_runner_output):
+    """Scheduler.update_from_output: the step's summary from schedule(), if any; on a server that
+    speculates, with the step's scheduled drafts (kvtrace.hook.vllm.spec)."""
     info = S.steps.pop(id(scheduler_output), None) if S.steps else None
     if info is None:
         return _NO_STEP if (_Q or S.ev is not None) else None
+    if S.spec:
+        # (the accepted drafts counted before vLLM trims a finished request's sampled tokens in place)
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        S.spec_now = (drafts, spec.accepted_drafts(drafts, model_runner_output) if drafts else 0)
     return info
 
 
@@ -369,6 +378,10 @@ def _update_post(self, info, out) -> None:
         if info:
             info[4] = now
             _enqueue(info)
+            if S.spec:
+                (drafts, accepted), S.spec_now = S.spec_now or ({}, 0), None
+                for rec in spec.step_records(info[1], now, drafts or {}, accepted, out or {}):
+                    _enqueue(rec)
         # (a request still running: not idle, without asking vLLM's three nested calls)
         if now - _last["flush"] >= FLUSH_EVERY_NS or len(_Q) >= FLUSH_RECORDS or (not self.running and _idle(self)):
             _flush(now)

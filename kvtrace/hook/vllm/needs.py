@@ -57,6 +57,11 @@ ENGINE_READS = (
     Attrs(UTILS, "KVCacheBlock", ("block_hash", "block_id")),
     Fields(KVM, "KVCacheBlocks", ("blocks",)),
     Fields("vllm.v1.outputs", "KVConnectorOutput", ("finished_sending", "finished_recving", "invalid_block_ids")),
+    # speculative decoding (kvtrace.hook.vllm.spec): the drafts scheduled, what each request got
+    Fields(OUTPUT, "SchedulerOutput", ("scheduled_spec_decode_tokens",)),
+    Fields("vllm.v1.engine", "EngineCoreOutputs", ("outputs",)),
+    Fields("vllm.v1.engine", "EngineCoreOutput", ("request_id", "new_token_ids", "finish_reason")),
+    Fields("vllm.v1.outputs", "ModelRunnerOutput", ("req_id_to_index", "sampled_token_ids")),
     Fields(IFACE, "KVCacheConfig", ("kv_cache_groups",)),
     Fields(IFACE, "KVCacheGroupSpec", ("layer_names", "kv_cache_spec")),
     Attrs(IFACE, "KVCacheSpec", ("block_size", "page_size_bytes")),

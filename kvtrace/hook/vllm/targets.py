@@ -90,7 +90,7 @@ def engine_wrappers() -> dict:
     return {
         "Scheduler.schedule": _exactly(_schedule_pre if releases.has("step_counter") else _schedule_pre_counting,
                                        _schedule_post),
-        "Scheduler.update_from_output": _exactly(_update_pre, _update_post, names=("scheduler_output",)),
+        "Scheduler.update_from_output": _exactly(_update_pre, _update_post, names=("scheduler_output", "model_runner_output")),
         "Scheduler._preempt_request": _exactly(_preempt_pre, _preempt_post, names=("request",)),
         "KVCacheManager.allocate_slots": _inlined(ALLOCATE_BODY, ALLOC_PARAMS),
         "Scheduler._update_from_kv_xfer_finished": _exactly(connector.xfer_pre, connector.xfer_post,
