@@ -10,7 +10,7 @@ COMPAT_RELEASES := 0.28.0 0.30.0 0.31.0 0.32.0
 VLLM ?= $(COMPAT_RELEASES)
 NEWEST := 0.33.0
 
-.PHONY: setup setup-vllm setup-sglang setup-lmcache setup-engines demo test test-long unit compat lab bench bench-short engines clean
+.PHONY: setup setup-vllm setup-sglang setup-lmcache setup-nixl setup-engines demo test test-long unit compat lab bench bench-short engines clean
 
 setup:
 	bash scripts/setup-host
@@ -29,6 +29,10 @@ setup-sglang: setup
 setup-lmcache: setup-vllm
 	bash scripts/setup-lmcache
 
+# nixl 1.5.1 beside vLLM's venv, for the prefill/decode pair over NixlConnector (make test-long only)
+setup-nixl: setup-vllm
+	bash scripts/setup-nixl
+
 setup-engines: setup-vllm setup-sglang setup-lmcache
 	bash scripts/setup-vllm-source $(NEWEST)
 
@@ -37,8 +41,9 @@ test: setup-engines
 	$(PY) -m pytest -q -rs --durations=40 -m "not matrix and not long" tests
 
 # By hand, before a release: the live tests at settings the rest does not use (closed loop under
-# load, a throttled storage tier, a restarted server) and Spark's report against DuckDB's
-test-long: setup-engines
+# load, a throttled storage tier, a restarted server, a prefill/decode pair over NIXL) and
+# Spark's report against DuckDB's
+test-long: setup-engines setup-nixl
 	$(PY) -m pytest -q -rs -m long tests
 
 # Every release of VLLM through the live acceptance and the plan checks (about 6 minutes a

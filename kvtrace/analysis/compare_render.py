@@ -64,7 +64,8 @@ PLOTS = [("Time to first token (s)", ("ttft_p50", "ttft_p90", "ttft_p99"), 1),
          ("Throughput (tokens/s)", ("prompt_tokens_per_s", "output_tokens_per_s"), 1),
          ("Prompt tokens hit (%)", ("hit_rate", "hit_rate_local", "hit_rate_storage"), 100),
          ("Why prompt tokens missed (% of prompt tokens)", ("miss_cold", "miss_unseen", "miss_evicted", "miss_inflight",
-                                                             "miss_tail", "miss_other_key", "miss_not_looked_up", "miss_tier_partial"), 100),
+                                                             "miss_tail", "miss_other_key", "miss_not_looked_up", "miss_tier_partial",
+                                                             "miss_other_engine"), 100),
          ("Where chunk time went (%)", ("share_compute", "share_storage", "share_queueing"), 100)]
 
 

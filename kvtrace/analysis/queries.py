@@ -17,7 +17,8 @@ STORAGE_PATH = ("path LIKE '/%' AND NOT (path LIKE '/proc/%' OR path LIKE '/sys/
 
 
 CAUSES = ("hit_local", "hit_external", "miss_cold", "miss_unseen", "miss_evicted", "miss_inflight", "miss_tail",
-          "miss_other_key", "miss_not_looked_up", "miss_tier_partial")   # kvtrace.correlate.causes.CAUSES
+          "miss_other_key", "miss_not_looked_up", "miss_tier_partial",
+          "miss_other_engine")   # kvtrace.correlate.causes.CAUSES
 CAUSE_COLUMNS = ", ".join(f"SUM(CASE WHEN cause = '{c}' THEN tokens ELSE 0 END) AS {c}" for c in CAUSES)
 
 
@@ -221,6 +222,12 @@ FIGURES: dict[str, str] = {
           AND c.chunk_index = 0 WHERE a.attempt = 0) t GROUP BY bucket ORDER BY bucket""",
     # ---- chunking versus blocks ----
     "block_size": "SELECT run, pid, bs FROM bsz ORDER BY run, pid",
+    # per engine (EngineCore process: a data-parallel rank) of each run: its first admissions, hits, evictions
+    "engines": """SELECT a.run, a.pid AS engine_pid, COUNT(*) AS requests, SUM(a.prompt_len) AS prompt_tokens,
+        SUM(a.cached_local + a.cached_external) AS hit_tokens, SUM(a.cached_external) AS external_tokens,
+        COALESCE(MAX(e.n), 0) AS evictions
+        FROM adm a LEFT JOIN (SELECT run, pid, COUNT(*) AS n FROM evict GROUP BY run, pid) e ON e.run = a.run AND e.pid = a.pid
+        WHERE a.attempt = 0 GROUP BY a.run, a.pid ORDER BY a.run, a.pid""",
     "server": "SELECT name, version, MAX(block_size) AS block_size FROM engine GROUP BY name, version ORDER BY name, version",
     "partial_blocks": """SELECT COUNT(*) AS chunks_not_last,
         COALESCE(SUM(CASE WHEN (c.tok_start + c.tok_len) % b.bs <> 0 THEN 1 ELSE 0 END), 0) AS mid_block_ends,

@@ -227,6 +227,12 @@ def _reuse(t: Term, rep: dict, rows: int) -> None:
               pct(r["external_rate"])]])
     t.prose("  not counted as hits", f"{nc['readmission_reused_tokens']:,} tokens reused at {nc['readmissions']} "
             f"re-admissions, {nc['later_chunk_tokens']:,} in {nc['later_chunks']} later chunks")
+    if rep.get("engines"):
+        t.table("KV reuse per engine (data-parallel ranks; first admissions)",
+                [Col("engine pid", 1), Col("requests", 1), Col("prompt tokens", 1), Col("hit tokens", 1), Col("hit rate"),
+                 Col("evictions", 2)],
+                [[str(e["engine_pid"]), num(e["requests"]), num(e["prompt_tokens"]), num(e["hit_tokens"]),
+                  pct(e["hit_rate"]), num(e["evictions"])] for e in rep["engines"]])
     cols = [Col("chunk index"), Col("chunks", 1), Col("computed", 1), Col("hit credited", 1), Col("hit share")]
     t.table("Hit rate by chunk index (first admissions)", cols,
             [[str(x["chunk_index"]), num(x["chunks"]), num(x["computed"]), num(x["hit"]), pct(x["hit_share"])]
@@ -252,7 +258,7 @@ def _chunking(t: Term, rep: dict) -> None:
 
 MISS_LABEL = {"miss_cold": "cold", "miss_unseen": "unseen", "miss_evicted": "evicted", "miss_inflight": "in flight",
               "miss_tail": "tail", "miss_other_key": "other key", "miss_not_looked_up": "not looked up",
-              "miss_tier_partial": "tier partial chunk"}
+              "miss_tier_partial": "tier partial chunk", "miss_other_engine": "on another engine"}
 
 
 def _misses(t: Term, rep: dict, rows: int) -> None:

@@ -145,6 +145,8 @@ def build(rows: dict[str, list[dict]], inp: load.Inputs) -> dict:
     rep: dict = {"gaps": gaps}
     rep["block_size"] = _block_size(rows, gaps)
     rep["server"] = _server(rows, kinds)
+    if len(rows["engines"]) > 1:   # several engines (data-parallel ranks, or runs): each its own figures
+        rep["engines"] = [{**e, "hit_rate": _ratio(e["hit_tokens"] or 0, e["prompt_tokens"] or 0)} for e in rows["engines"]]
     rep["reuse"] = reuse = _reuse(rows, one)
     pt = reuse["prompt_tokens"]
     rep["chunking"] = _chunking(rows, one, pt)

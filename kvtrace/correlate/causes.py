@@ -19,6 +19,10 @@ prompt (or of the prefill after a preemption) are split:
                                allocation, and how many evictions and seconds before)
     miss_other_key             never stored under this key, but the same tokens at the same place
                                are cached under another key (LoRA, cache_salt, multimodal)
+    miss_other_engine          not in this engine's cache (it would be miss_cold, miss_unseen or
+                               miss_evicted), but cached at that moment in another engine of the
+                               run (a data-parallel rank of the server; same hash: vLLM's sha256
+                               block hashes are the same in every process)
     miss_tier_partial          with a KV tier that stores whole chunks only (LMCache: its tiers
                                row's chunk_tokens): no longer in the device cache (it would be
                                miss_evicted, miss_unseen or miss_other_key), and every request
@@ -47,12 +51,14 @@ from dataclasses import dataclass, field
 from kvtrace.servers import registry
 
 CAUSES = ("hit_local", "hit_external", "miss_cold", "miss_unseen", "miss_evicted", "miss_inflight", "miss_tail",
-          "miss_other_key", "miss_not_looked_up", "miss_tier_partial")
+          "miss_other_key", "miss_not_looked_up", "miss_tier_partial", "miss_other_engine")
 HITS = ("hit_local", "hit_external")
 MISSES = CAUSES[2:]
 _BREAK = "break"
 # what the device cache no longer holds, which a whole-chunk tier would have served had it stored it
 _TIER_WOULD_SERVE = ("miss_evicted", "miss_unseen", "miss_other_key")
+# what another engine's cache would have served had the request been sent there
+_OTHER_ENGINE_WOULD_SERVE = ("miss_cold", "miss_unseen", "miss_evicted")
 KEEP = 100_000   # requests whose segments are kept for their later chunks (live: a bound; finished ones go)
 
 
@@ -73,6 +79,7 @@ class Segment:
     distance_blocks: int = 0     # miss_evicted: evictions from it to this admission, it included
     distance_ns: int = 0         # miss_evicted: from its eviction to this admission's step start
     computing: str = ""          # miss_inflight: the running request computing it
+    other_engine: int = 0        # miss_other_engine: an engine (pid) that held it
 
 
 @dataclass
@@ -160,7 +167,9 @@ class CacheReplay:
             for r in rows:
                 by_step[(r["pid"], r["step"])][kind].append(r)
         start_of = {(s["pid"], s["step"]): s["t_start_ns"] for s in steps}
-        for key in sorted(by_step):
+        # in time order across engines (one engine's steps stay in step order): an engine's
+        # lookup sees the other engines' caches as they stood then
+        for key in sorted(by_step, key=lambda k: (start_of.get(k, 0), k)):
             self._step(key[0], start_of.get(key, 0), by_step[key])
         return self.segments
 
@@ -222,7 +231,10 @@ class CacheReplay:
                     first_cause = cause if cause != _BREAK else "miss_unseen"
                 if cause == _BREAK:
                     cause, detail = first_cause, {}
-                if cause in _TIER_WOULD_SERVE and chain.get(i) in e.tier_partial:
+                other = self._held_elsewhere(pid, chain.get(i)) if cause in _OTHER_ENGINE_WOULD_SERVE else 0
+                if other:
+                    cause, detail = "miss_other_engine", {"block_hash": chain[i], "other_engine": other}
+                elif cause in _TIER_WOULD_SERVE and chain.get(i) in e.tier_partial:
                     cause, detail = "miss_tier_partial", {"block_hash": chain[i]}
                 segs.append((i * bs, (i + 1) * bs, cause, detail))
             segs.append((max(top, hit_l + hit_x), total, "miss_tail", {}))
@@ -255,6 +267,12 @@ class CacheReplay:
         if h in e.stored or not e.fresh:
             return "miss_unseen", {}
         return "miss_cold", {}
+
+    def _held_elsewhere(self, pid: int, h) -> int:
+        """Another engine of the run whose cache holds block h now (its pid), else 0."""
+        if h is None or len(self.engines) < 2:
+            return 0
+        return next((p for p, o in self.engines.items() if p != pid and h in o.present), 0)
 
     def chunk_causes(self, pid: int, request: str, attempt: int, start: int, end: int) -> dict[str, int]:
         """Tokens [start, end) of an admission's chunk by miss cause (the misses it computed)."""
@@ -292,7 +310,7 @@ def _same(last: Segment, detail: dict) -> bool:
     """Whether one more token with this detail continues segment ``last`` (the same eviction, the
     same computing request, or neither)."""
     return (last.evict_ns == detail.get("evict_ns", 0) and last.evicted_by == detail.get("evicted_by", "")
-            and last.computing == detail.get("computing", ""))
+            and last.computing == detail.get("computing", "") and last.other_engine == detail.get("other_engine", 0))
 
 
 def _snap_time(r: dict) -> int:
@@ -390,11 +408,13 @@ def causes_of(segments) -> dict[int, dict[str, int]]:
 def table_rows(segments) -> dict[str, list]:
     """The token_causes columns (docs/schema.md) of these segments."""
     cols = {k: [] for k in ("engine_pid", "request", "attempt", "step", "token_start", "token_end", "tokens", "cause",
-                            "block_hash", "evict_ns", "evicted_by", "distance_blocks", "distance_ns", "computing")}
+                            "block_hash", "evict_ns", "evicted_by", "distance_blocks", "distance_ns", "computing",
+                            "other_engine")}
     for s in segments:
         for k, v in (("engine_pid", s.engine_pid), ("request", s.request), ("attempt", s.attempt), ("step", s.step),
                      ("token_start", s.start), ("token_end", s.end), ("tokens", s.end - s.start), ("cause", s.cause),
                      ("block_hash", s.block_hash), ("evict_ns", s.evict_ns), ("evicted_by", s.evicted_by),
-                     ("distance_blocks", s.distance_blocks), ("distance_ns", s.distance_ns), ("computing", s.computing)):
+                     ("distance_blocks", s.distance_blocks), ("distance_ns", s.distance_ns), ("computing", s.computing),
+                     ("other_engine", s.other_engine)):
             cols[k].append(v)
     return cols

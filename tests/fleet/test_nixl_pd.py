@@ -6,7 +6,8 @@ counters (`vllm:external_prefix_cache_hits_total`, `vllm:nixl_bytes_transferred_
 Workload: 3 token-id prompts of 700 tokens, each sent as vLLM's toy proxy does: to the prefill
 server with `do_remote_decode` and 1 output token, then to the decode server with the
 kv_transfer_params the prefill server returned.  The decode server pulls every prompt block but
-the last partial one (700 = 21 x 32 + 28) from the prefill server's KV cache.
+all 22 of its blocks (700 = 21 x 32 + 28, the partial last one too) from the prefill server's
+KV cache.  vLLM 0.32 names the connector's scheduler class NixlPullConnector.
 
 Marked long (`make test-long`): the pair takes about 2 minutes to start on 2 cores, and a decode
 request has been seen to wait up to the prefill server's lease (120 s here) for its pull on this VM.
@@ -28,7 +29,7 @@ import pytest
 
 from kvtrace.dataset.reader import Dataset
 from kvtrace.demo import workload
-from kvtrace.demo.server import TINY_LLAMA, VllmServer
+from kvtrace.demo.server import TINY_LLAMA, VllmServer, write_tiny_model
 from tests.helpers import post_completion, wait_for
 from tests.vllm.conftest import free_port, vllm_skip_reason
 
@@ -43,10 +44,12 @@ BLOCK_BYTES = (2 * M["num_hidden_layers"] * BLOCK * M["num_key_value_heads"]
 EXTERNAL, NIXL_BYTES = "vllm:external_prefix_cache_hits_total", "vllm:nixl_bytes_transferred_sum"
 
 
-def server(role: str, core: int, work: Path) -> VllmServer:
+def server(role: str, core: int, work: Path, model: Path) -> VllmServer:
+    """One of the pair.  Both serve the same model directory: NIXL's handshake compares a hash of
+    the two servers' configurations, the model's path included."""
     kv = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
           "kv_connector_extra_config": {"kv_lease_duration": 120}}
-    return VllmServer(args=["--block-size", str(BLOCK), "--enable-prefix-caching", "--enable-prompt-tokens-details",
+    return VllmServer(args=["--model", str(model), "--block-size", str(BLOCK), "--enable-prefix-caching", "--enable-prompt-tokens-details",
                             "--num-gpu-blocks-override", "128", "--max-model-len", "2048",
                             "--kv-transfer-config", json.dumps(kv)],
                       env={"VLLM_PLUGINS": "", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
@@ -88,10 +91,12 @@ def run(tmp_path_factory):
     if not os.path.exists(f"{VENV}/bin/python"):
         pytest.skip(f"no NIXL venv at {VENV}: run bash scripts/setup-nixl")
     base = tmp_path_factory.mktemp("nixl-pd")
-    p, d = server("kv_producer", 0, base / "prefill"), server("kv_consumer", 1, base / "decode")
+    model = write_tiny_model(base / "tiny-llama", TINY_LLAMA)
+    p, d = server("kv_producer", 0, base / "prefill", model), server("kv_consumer", 1, base / "decode", model)
     try:
-        p.start(timeout=900)
-        d.start(timeout=900)
+        for s in (p, d):
+            s.start(timeout=900)
+            s.model = str(model)   # (the last --model wins: the one both serve)
         yield scenario(p, d, base)
     finally:
         d.stop()
@@ -131,13 +136,13 @@ def test_the_decode_servers_pulls_as_its_scheduler_drove_them(run):
     admission's cached_external; an asynchronous load of that many blocks and bytes (blocks x
     the model's KV bytes per block: exactly the bytes NIXL says it moved), done and ok."""
     rows, ds = run["rows"], run["d"]
-    assert [r["external"] for r in rows] == [BLOCK * (PROMPT // BLOCK)] * N, rows
+    assert [r["external"] for r in rows] == [PROMPT] * N, rows
     alloc = sorted(ds.table("kv_alloc").to_pylist(), key=lambda a: a["t_ns"])
     admit = {a["request"]: a for a in ds.table("admit").to_pylist() if a["attempt"] == 0}
-    assert len(alloc) == N and {a["connector"] for a in alloc} == {"NixlConnector"}
+    assert len(alloc) == N and {a["connector"] for a in alloc} == {"NixlPullConnector"}
     for a, r in zip(alloc, rows):
         assert (a["first"], a["external"], a["async"]) == (0, r["external"], 1)
-        assert a["blocks"] == PROMPT // BLOCK and a["nbytes"] == a["blocks"] * BLOCK_BYTES == r["nixl_bytes"]
+        assert a["blocks"] == -(-PROMPT // BLOCK) and a["nbytes"] == a["blocks"] * BLOCK_BYTES == r["nixl_bytes"]
         assert admit[a["request"]]["cached_external"] == r["external"]
     done = [x for x in ds.table("kv_done").to_pylist() if x["direction"] == "load"]
     assert sorted(x["request"] for x in done) == sorted(a["request"] for a in alloc) and all(x["ok"] for x in done)
@@ -146,9 +151,15 @@ def test_the_decode_servers_pulls_as_its_scheduler_drove_them(run):
 def test_the_prefill_server_holds_each_requests_blocks_until_the_pull(run):
     """The prefill server hands each finished request's blocks to the connector and keeps them
     (delay_free) until the decode server has pulled them: a kv_finish with delay_free, then a
-    kv_done store for it."""
+    kv_done store for it, which comes after the decode server granted the pull (its kv_alloc:
+    both servers' records are on one clock; the decode scheduler learns its load is done at a
+    later step, which may come after the prefill server's notice)."""
     ds = run["p"]
-    fin = {x["request"]: x for x in ds.table("kv_finish").to_pylist() if x["connector"] == "NixlConnector"}
-    assert len(fin) == N and all(x["delay_free"] == 1 and x["blocks"] >= PROMPT // BLOCK for x in fin.values())
+    fin = {x["request"]: x for x in ds.table("kv_finish").to_pylist() if x["connector"] == "NixlPullConnector"}
+    assert len(fin) == N and all(x["delay_free"] == 1 and x["blocks"] == -(-PROMPT // BLOCK) and
+                                 x["nbytes"] == x["blocks"] * BLOCK_BYTES for x in fin.values())
     sent = {x["request"]: x for x in ds.table("kv_done").to_pylist() if x["direction"] == "store"}
-    assert set(sent) == set(fin) and all(sent[r]["t_ns"] > fin[r]["t_ns"] for r in fin)
+    assert set(sent) == set(fin) and all(sent[r]["t_ns"] > fin[r]["t_ns"] and sent[r]["ok"] for r in fin)
+    granted = {name(x): x["t_ns"] for x in run["d"].table("kv_alloc").to_pylist()}
+    for r, x in sent.items():
+        assert x["t_ns"] > granted["d" + name(x)[1:]], (r, x["t_ns"], granted)

@@ -257,3 +257,43 @@ def test_without_a_tier_or_with_two_chunk_sizes_no_tier_cause():
         run.prompt("B", a)
         run.do(admits=[("B", 0, 22, 0, 0)], chunks=[("B", 0, 0, 22)])
         assert run.causes("B") == {"miss_evicted": 20, "miss_tail": 2}
+
+
+def test_cached_on_another_engine_of_the_server():
+    """Two engines (data-parallel ranks) of one run: a prompt computed on engine 7 and then sent
+    to engine 8 misses there on blocks engine 7 holds: miss_other_engine, naming engine 7, in
+    time order across the engines (engine 8's step comes after engine 7's in time, though its
+    pid sorts later); once engine 7 evicted them, they are cold again."""
+    replay = CacheReplay()
+    a = chain("a", 3)
+    for pid in (7, 8):
+        replay.structure(cached=[{"pid": pid, "first": 0, "served": 0, "hashes": []}])
+    replay.structure(prompt_blocks=[{"pid": 7, "request": "A", "block_size": B, "first": 0, "hashes": a},
+                                    {"pid": 8, "request": "A2", "block_size": B, "first": 0, "hashes": a},
+                                    {"pid": 8, "request": "A3", "block_size": B, "first": 0, "hashes": a}])
+
+    def step(pid, s, t, admits=(), chunks=(), evicts=()):
+        return replay.feed([{"pid": pid, "step": s, "t_start_ns": t}],
+                           [{"pid": pid, "step": s, "request": r, "attempt": 0, "prefill_len": n, "cached_local": 0,
+                             "cached_external": 0} for r, n in admits],
+                           [{"pid": pid, "step": s, "request": r, "attempt": 0, "start": 0, "length": n} for r, n in chunks],
+                           [{"pid": pid, "step": s, "t_ns": t + 1, "block_hash": h, "request": "X"} for h in evicts], [], [])
+
+    # one feed, engine 8's step numbered 1 and engine 7's 5: time, not pid or step, orders them
+    segs = replay.feed([{"pid": 7, "step": 5, "t_start_ns": 100}, {"pid": 8, "step": 1, "t_start_ns": 200}],
+                       [{"pid": 7, "step": 5, "request": "A", "attempt": 0, "prefill_len": 13, "cached_local": 0,
+                         "cached_external": 0},
+                        {"pid": 8, "step": 1, "request": "A2", "attempt": 0, "prefill_len": 13, "cached_local": 0,
+                         "cached_external": 0}],
+                       [{"pid": 7, "step": 5, "request": "A", "attempt": 0, "start": 0, "length": 13},
+                        {"pid": 8, "step": 1, "request": "A2", "attempt": 0, "start": 0, "length": 13}], [], [], [])
+    got = causes_of([s for s in segs if s.request == "A2"])[0]
+    assert {k: v for k, v in got.items() if v} == {"miss_other_engine": 12, "miss_tail": 1}
+    assert {s.other_engine for s in segs if s.cause == "miss_other_engine"} == {7}
+    assert {k: v for k, v in causes_of([s for s in segs if s.request == "A"])[0].items() if v} == \
+        {"miss_cold": 12, "miss_tail": 1}
+    # engine 7 evicts them and engine 8's own copies too: A3 finds them nowhere
+    step(7, 6, 300, evicts=a)
+    step(8, 2, 400, evicts=a)
+    segs = step(8, 3, 500, admits=[("A3", 13)], chunks=[("A3", 13)])
+    assert {k: v for k, v in causes_of(segs)[0].items() if v} == {"miss_evicted": 12, "miss_tail": 1}

@@ -9,8 +9,9 @@ help from the connector: what vLLM asked of it and what it answered, per request
                                                           connector at a request's end
 
 Bytes are blocks × the KV cache's bytes per block of their group (page size of the group's
-spec × its layers), counted from the block ids vLLM hands the connector; block 0 of vLLM's pool
-(its null block) holds nothing and is not counted.  kvtrace.hook.vllm.engine starts and stops
+spec × its layers) × the tensor-parallel ranks (the spec is one rank's share of the KV heads;
+each rank moves its own), counted from the block ids vLLM hands the connector; block 0 of vLLM's
+pool (its null block) holds nothing and is not counted.  kvtrace.hook.vllm.engine starts and stops
 this module's state (C) with its own.
 """
 from __future__ import annotations
@@ -51,9 +52,13 @@ def start(sched) -> None:
         null = sched.kv_cache_manager.block_pool.null_block.block_id
     except Exception:
         null = 0
+    try:
+        tp = int(sched.vllm_config.parallel_config.tensor_parallel_size)
+    except Exception:
+        tp = 1
     for g in sched.kv_cache_config.kv_cache_groups:
         spec = g.kv_cache_spec
-        C.kvg.append((int(spec.block_size), int(spec.page_size_bytes) * len(g.layer_names), null))
+        C.kvg.append((int(spec.block_size), int(spec.page_size_bytes) * len(g.layer_names) * max(tp, 1), null))
     C.on = True
 
 

@@ -119,8 +119,9 @@ def block_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") ->
     hash_bs = releases.hash_block_size(kv_cache_config)
     if hash_bs not in (None, block_size):
         raise ValueError(f"prefix-hash block size {hash_bs} != block size {block_size}")
-    if vllm_config.parallel_config.world_size != 1:
-        raise ValueError("KvtraceFileConnector supports one worker (TP=PP=1)")
+    par = vllm_config.parallel_config
+    if par.pipeline_parallel_size != 1:
+        raise ValueError("KvtraceFileConnector supports one pipeline stage (PP=1)")
     group_layers = set(groups[0].layer_names)
     layers = [n for t in kv_cache_config.kv_cache_tensors for n in releases.layer_names(t) if n in group_layers]
     if not layers:
@@ -138,6 +139,8 @@ def block_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") ->
         "layers": layers,
         "layer_block_bytes": page,
         "block_bytes": page * len(layers),
+        # tensor parallel: each rank stores its share of the KV heads in a file of its own
+        **({"tp_size": par.tensor_parallel_size} if par.tensor_parallel_size > 1 else {}),
     }
 
 
@@ -262,6 +265,8 @@ class KvtraceFileConnector(KVConnectorBase_V1):
         self.num_blocks = kv_cache_config.num_blocks
         self.do_load = cfg.is_kv_consumer
         self.do_store = cfg.is_kv_producer
+        self.tp = int(self.layout.get("tp_size", 1))
+        self.rank = 0
         stats_dir = cfg.get_from_extra_config("stats_dir", None)
 
         if role == KVConnectorRole.SCHEDULER:
@@ -276,7 +281,11 @@ class KvtraceFileConnector(KVConnectorBase_V1):
             self._loads: list[BlockTransfer] = []
             self._tracked = releases.block_ids_source()
         else:
-            self.stats = _Stats(stats_dir, "worker")
+            if self.tp > 1:
+                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+                self.rank = get_tensor_model_parallel_rank()
+            self.stats = _Stats(stats_dir, f"worker{self.rank}" if self.tp > 1 else "worker")
             self._layers: list[tuple[str, torch.Tensor, int]] = []  # name, kv tensor, rows/block
             self._stage: mmap.mmap | None = None
             self._stage_views: list[torch.Tensor] = []
@@ -290,8 +299,18 @@ class KvtraceFileConnector(KVConnectorBase_V1):
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped store is a later miss
 
-    def _path(self, hex_hash: str) -> str:
-        return os.path.join(self.dir, hex_hash)
+    def _path(self, hex_hash: str, rank: int | None = None) -> str:
+        """A block's file (this worker's rank's shard with tensor parallelism: HASH.tpRANK)."""
+        if self.tp == 1:
+            return os.path.join(self.dir, hex_hash)
+        return os.path.join(self.dir, f"{hex_hash}.tp{self.rank if rank is None else rank}")
+
+    def _stored(self, hex_hash: str) -> bool:
+        """Whether every rank's shard of a block is there, whole."""
+        try:
+            return all(os.stat(self._path(hex_hash, r)).st_size == self.block_bytes for r in range(self.tp))
+        except FileNotFoundError:
+            return False
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -309,10 +328,7 @@ class KvtraceFileConnector(KVConnectorBase_V1):
             limit = min(len(request.block_hashes), (request.num_tokens - 1) // bs)
             n = 0
             for i in range(start, limit):
-                try:
-                    if os.stat(self._path(request.block_hashes[i].hex())).st_size != self.block_bytes:
-                        break
-                except FileNotFoundError:
+                if not self._stored(request.block_hashes[i].hex()):
                     break
                 n += 1
             self._lookup[request.request_id] = start

@@ -46,7 +46,7 @@ ENGINE_METHODS = (
 
 ENGINE_READS = (
     Attrs(KVM, "KVCacheManager", ("block_pool", "get_block_ids")),   # (get_block_ids_for_computed_tokens: 0.21+, read if there)
-    Attrs(SCHED, "Scheduler", ("requests", "running", "waiting", "kv_cache_manager", "block_size",
+    Attrs(SCHED, "Scheduler", ("requests", "running", "waiting", "kv_cache_manager", "block_size", "vllm_config",
                                "has_unfinished_requests", "cache_config", "connector", "kv_cache_config")),
     Attrs(REQUEST, "Request", ("request_id", "num_computed_tokens", "num_preemptions", "num_tokens",
                                "num_prompt_tokens", "block_hashes", "arrival_time", "trace_headers", "max_tokens",
@@ -129,7 +129,8 @@ FILE_CONNECTOR = (
                                               "kv_load_failure_policy")),
     Attrs("vllm.config", "VllmConfig", ("cache_config", "parallel_config", "model_config")),
     Attrs("vllm.config", "CacheConfig", ("block_size",)),
-    Attrs("vllm.config", "ParallelConfig", ("world_size",)),
+    Attrs("vllm.config", "ParallelConfig", ("world_size", "tensor_parallel_size", "pipeline_parallel_size")),
+    Globals("vllm.distributed.parallel_state", ("get_tensor_model_parallel_rank",)),
     Attrs("vllm.config", "ModelConfig", ("model",)),
     Fields(IFACE, "KVCacheConfig", ("num_blocks", "kv_cache_tensors", "kv_cache_groups")),
     Fields(IFACE, "KVCacheGroupSpec", ("layer_names", "kv_cache_spec")),
