@@ -122,3 +122,41 @@ def tree_state(d) -> list:
             st = os.lstat(p)
             out.append((p, st.st_mode, st.st_uid, st.st_gid, Path(p).read_bytes() if os.path.isfile(p) and not os.path.islink(p) else None))
     return out
+
+
+class Attached:
+    """`kvtrace attach --quiet --port PORT --out OUT` run as a user runs it, in a with block: on
+    entry, once the hook is injected in ``engines`` engines (and has read the agent flag, which
+    it does once a second); on exit, stopped with SIGINT, which must end it with 0."""
+
+    def __init__(self, port: int, out: Path, *extra: str, engines: int = 1, timeout: float = 240):
+        import sys
+
+        self.out, self.engines, self.timeout = out, engines, timeout
+        self.err = out.parent / f"{out.name}.stderr"
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvtrace", "attach", "--quiet", "--port", str(port),
+                                      "--out", str(out), *extra], stderr=open(self.err, "wb"),
+                                     cwd=Path(__file__).resolve().parents[1])
+
+    def injected(self) -> bool:
+        assert self.proc.poll() is None, self.err.read_text(errors="replace")[-3000:]
+        return self.err.read_text(errors="replace").count("injected in engine") >= self.engines
+
+    def __enter__(self) -> "Attached":
+        try:
+            wait_for(self.injected, self.timeout, "the hook's injection")
+        except BaseException:
+            self.stop()
+            raise
+        time.sleep(1.2)
+        return self
+
+    def stop(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        assert self.proc.wait(180) == 0, self.err.read_text(errors="replace")[-3000:]
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

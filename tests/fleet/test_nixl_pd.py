@@ -19,9 +19,6 @@ import json
 import os
 import random
 import re
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -30,12 +27,11 @@ import pytest
 from kvtrace.dataset.reader import Dataset
 from kvtrace.demo import workload
 from kvtrace.demo.server import TINY_LLAMA, VllmServer, write_tiny_model
-from tests.helpers import post_completion, wait_for
+from tests.helpers import Attached, post_completion
 from tests.vllm.conftest import free_port, vllm_skip_reason
 
 pytestmark = [pytest.mark.root, pytest.mark.long]
 
-REPO = Path(__file__).resolve().parents[2]
 VENV = os.environ.get("KVTRACE_NIXL_VENV", "/var/cache/kvtrace/nixl-venv")
 BLOCK, PROMPT, N = 32, 700, 3
 M = TINY_LLAMA
@@ -56,23 +52,6 @@ def server(role: str, core: int, work: Path, model: Path) -> VllmServer:
                            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port(5700, 5799)), "UCX_TLS": "tcp,self,sm",
                            "VLLM_CPU_OMP_THREADS_BIND": str(core)},
                       port=free_port(8300, 8399), python=f"{VENV}/bin/python", workdir=work)
-
-
-class Agent:
-    def __init__(self, port: int, out: Path):
-        self.err = out.parent / f"{out.name}.stderr"
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvtrace", "attach", "--quiet", "--port", str(port),
-                                      "--out", str(out)], stderr=open(self.err, "wb"), cwd=REPO)
-        self.out = out
-
-    def ready(self) -> bool:
-        assert self.proc.poll() is None, self.err.read_text()[-3000:]
-        return "injected in engine" in self.err.read_text(errors="replace")
-
-    def stop(self) -> Dataset:
-        self.proc.send_signal(signal.SIGINT)
-        assert self.proc.wait(180) == 0, self.err.read_text()[-3000:]
-        return Dataset.open(self.out)
 
 
 def counter(srv: VllmServer, name: str) -> float:
@@ -104,12 +83,9 @@ def run(tmp_path_factory):
 
 
 def scenario(p: VllmServer, d: VllmServer, base: Path) -> dict:
-    ap, ad = Agent(p.port, base / "p-ds"), Agent(d.port, base / "d-ds")
     rnd = random.Random(37)
     rows = []
-    try:
-        wait_for(lambda: ap.ready() and ad.ready(), 240, "the hooks' injection")
-        time.sleep(1.2)   # the hooks re-read the agent flag once a second
+    with Attached(p.port, base / "p-ds"), Attached(d.port, base / "d-ds"):
         for i in range(N):
             prompt = workload.tokens(rnd, PROMPT)
             e0, b0 = counter(d, EXTERNAL), counter(d, NIXL_BYTES)
@@ -122,9 +98,7 @@ def scenario(p: VllmServer, d: VllmServer, base: Path) -> dict:
             rows.append({"ktp": ktp, "d": dr, "external": counter(d, EXTERNAL) - e0,
                          "nixl_bytes": counter(d, NIXL_BYTES) - b0})
         time.sleep(1.5)
-    finally:
-        dsp, dsd = ap.stop(), ad.stop()
-    return {"p": dsp, "d": dsd, "rows": rows}
+    return {"p": Dataset.open(base / "p-ds"), "d": Dataset.open(base / "d-ds"), "rows": rows}
 
 
 def name(r: dict) -> str:

@@ -16,9 +16,6 @@ import collections
 import json
 import random
 import re
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,7 +25,7 @@ from kvtrace.dataset.reader import Dataset
 from kvtrace.demo import workload
 from kvtrace.demo.server import MODELS
 from tests import helpers
-from tests.helpers import wait_for
+from tests.helpers import Attached, wait_for
 from kvtrace.correlate.causes import CAUSES
 from tests.lmcache.conftest import BLOCK, CHUNK
 from tests.otlp_receiver import Receiver
@@ -38,7 +35,6 @@ pytestmark = pytest.mark.root
 
 LMCACHE_L2_STORE_POLICY = "skip_l1"   # read by the lmcache_server fixture: loads come from disk
 
-REPO = Path(__file__).resolve().parents[2]
 PREFIX, PROMPT = 512, 712
 PROMPTS = 3
 EXTERNAL = "vllm:external_prefix_cache_hits_total"
@@ -56,25 +52,6 @@ CHUNK_BYTES = (CHUNK * 2 * TINY["num_hidden_layers"] * TINY["num_key_value_heads
 STORED = re.compile(r"Stored (\d+) tokens in [0-9.]+ seconds")
 RETRIEVED = re.compile(r"Retrieved (\d+) tokens in [0-9.]+ seconds")
 PREFETCHED = re.compile(r"Prefetch request completed \(L1\+L2\): (\d+)/(\d+) retained keys \((\d+) L1, (\d+) L2\)")
-
-
-class Agent:
-    """`kvtrace attach --port` as a subprocess, stopped with SIGINT like a user would."""
-
-    def __init__(self, port: int, out: Path, otlp: str):
-        self.err = out.parent / f"{out.name}.stderr"
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvtrace", "attach", "--quiet", "--port", str(port),
-                                      "--out", str(out), "--otlp", otlp], stdout=open(out.parent / f"{out.name}.stdout", "wb"),
-                                     stderr=open(self.err, "wb"), cwd=REPO)
-        wait_for(lambda: self.proc.poll() is not None or "injected in engine" in self.err.read_text(errors="replace"),
-                 180, "the hook's injection")
-        assert self.proc.poll() is None, self.err.read_text()[-3000:]
-        time.sleep(1.2)   # the hook re-reads the agent flag once a second
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-        assert self.proc.wait(180) == 0, self.err.read_text()[-3000:]
 
 
 def l2_settled(lmc, still_s: float = 1.0) -> dict[str, int]:
@@ -121,24 +98,23 @@ def run(lmcache_server, lmcache_vllm, tmp_path_factory):
     prompts = {f"p{i}": prefix + workload.tokens(rnd, PROMPT - PREFIX) for i in range(PROMPTS)}
     sent: dict[str, dict] = {}
     rx = Receiver().start()
-    agent = Agent(srv.port, base / "ds", rx.grpc_url)
     try:
-        m0 = settled_metrics(srv, METRICS)
-        for name, p in prompts.items():
-            sent[f"r1{name}"] = helpers.post_completion(srv.url, srv.model, p, f"r1{name}")
-        files1 = l2_settled(lmc)   # round 1's chunks on disk before round 2 asks for them
-        helpers.dev_post(srv.url, "/reset_prefix_cache")
-        m1 = settled_metrics(srv, METRICS)
-        mark, io1, lm1 = len(lmc.log()), lmc.io(), lmcache_counters(lmc)
-        t2 = time.monotonic_ns()
-        for name, p in prompts.items():
-            sent[f"r2{name}"] = helpers.post_completion(srv.url, srv.model, p, f"r2{name}")
-        m2 = settled_metrics(srv, METRICS)
-        io2, lm2 = lmc.io(), lmcache_counters(lmc)
-        t3 = time.monotonic_ns()
-        time.sleep(6)   # past the live correlator's lateness: every span streamed while attached
+        with Attached(srv.port, base / "ds", "--otlp", rx.grpc_url, timeout=180) as agent:
+            m0 = settled_metrics(srv, METRICS)
+            for name, p in prompts.items():
+                sent[f"r1{name}"] = helpers.post_completion(srv.url, srv.model, p, f"r1{name}")
+            files1 = l2_settled(lmc)   # round 1's chunks on disk before round 2 asks for them
+            helpers.dev_post(srv.url, "/reset_prefix_cache")
+            m1 = settled_metrics(srv, METRICS)
+            mark, io1, lm1 = len(lmc.log()), lmc.io(), lmcache_counters(lmc)
+            t2 = time.monotonic_ns()
+            for name, p in prompts.items():
+                sent[f"r2{name}"] = helpers.post_completion(srv.url, srv.model, p, f"r2{name}")
+            m2 = settled_metrics(srv, METRICS)
+            io2, lm2 = lmc.io(), lmcache_counters(lmc)
+            t3 = time.monotonic_ns()
+            time.sleep(6)   # past the live correlator's lateness: every span streamed while attached
     finally:
-        agent.stop()
         rx.stop()
     log = lmc.log()
     (base / "observed.json").write_text(json.dumps({"metrics": [m0, m1, m2], "io": [io1, io2], "lmcache": [lm1, lm2],

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,12 +20,10 @@ from kvtrace.dataset.reader import Dataset
 from kvtrace.demo import workload
 from kvtrace.demo.server import VllmServer
 from tests import helpers
-from tests.helpers import wait_for
 from tests.vllm.conftest import free_port, vllm_skip_reason
 
 pytestmark = pytest.mark.root
 
-REPO = Path(__file__).resolve().parents[2]
 BLOCK, PROMPT = 32, 704
 TOP = BLOCK * ((PROMPT - 1) // BLOCK)   # tokens vLLM can hit at most
 PLAN = [("A", "A", 0), ("A2", "A", 1), ("A3", "A", 1), ("B", "B", 1), ("B2", "B", 0)]
@@ -55,22 +50,12 @@ def run(tmp_path_factory):
 def scenario(srv, base: Path) -> dict:
     rnd = random.Random(362)
     prompts = {"A": workload.tokens(rnd, PROMPT), "B": workload.tokens(rnd, PROMPT)}
-    err = base / "agent.stderr"
-    agent = subprocess.Popen([sys.executable, "-m", "kvtrace", "attach", "--quiet", "--port", str(srv.port),
-                              "--out", str(base / "ds")], stderr=open(err, "wb"), cwd=REPO)
     sent = {}
-    try:
-        wait_for(lambda: agent.poll() is not None or err.read_text(errors="replace").count("injected in engine") >= 2,
-                 240, "the hook's injection into both engines")
-        assert agent.poll() is None, err.read_text()[-3000:]
-        time.sleep(1.2)   # the hook re-reads the agent flag once a second
+    with helpers.Attached(srv.port, base / "ds", engines=2):
         for rid, p, rank in PLAN:
             sent[rid] = helpers.post_completion(srv.url, srv.model, prompts[p], rid,
                                                 headers={"X-data-parallel-rank": str(rank)})
         time.sleep(1.5)
-    finally:
-        agent.send_signal(signal.SIGINT)
-        assert agent.wait(180) == 0, err.read_text()[-3000:]
     return {"ds": Dataset.open(base / "ds"), "sent": sent, "engines": srv.processes()["engine"], "base": base}
 
 

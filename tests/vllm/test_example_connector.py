@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import json
 import random
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,13 +22,11 @@ from kvtrace.dataset.reader import Dataset
 from kvtrace.demo import workload
 from kvtrace.demo.server import TINY_LLAMA, VllmServer
 from tests import helpers
-from tests.helpers import wait_for
 from tests.vllm.conftest import free_port, vllm_skip_reason
 from tests.vllm.test_hook import settled_metrics
 
 pytestmark = pytest.mark.root
 
-REPO = Path(__file__).resolve().parents[2]
 BLOCK, PROMPT = 32, 704
 EXTERNAL = "vllm:external_prefix_cache_hits_total"
 M = TINY_LLAMA
@@ -64,15 +59,8 @@ def run(tmp_path_factory):
 def scenario(srv, base: Path, store: Path) -> dict:
     rnd = random.Random(35)
     prompts = {"A": workload.tokens(rnd, PROMPT), "B": workload.tokens(rnd, PROMPT)}
-    err = base / "agent.stderr"
-    agent = subprocess.Popen([sys.executable, "-m", "kvtrace", "attach", "--quiet", "--port", str(srv.port),
-                              "--out", str(base / "ds")], stderr=open(err, "wb"), cwd=REPO)
     sent = {}
-    try:
-        wait_for(lambda: agent.poll() is not None or "injected in engine" in err.read_text(errors="replace"),
-                 180, "the hook's injection")
-        assert agent.poll() is None, err.read_text()[-3000:]
-        time.sleep(1.2)   # the hook re-reads the agent flag once a second
+    with helpers.Attached(srv.port, base / "ds"):
         m0 = settled_metrics(srv, (EXTERNAL,))
         for n, p in prompts.items():
             sent[f"{n}1"] = helpers.post_completion(srv.url, srv.model, p, f"{n}1")
@@ -81,9 +69,6 @@ def scenario(srv, base: Path, store: Path) -> dict:
             sent[f"{n}2"] = helpers.post_completion(srv.url, srv.model, p, f"{n}2")
         m1 = settled_metrics(srv, (EXTERNAL,))
         time.sleep(1.5)
-    finally:
-        agent.send_signal(signal.SIGINT)
-        assert agent.wait(180) == 0, err.read_text()[-3000:]
     return {"ds": Dataset.open(base / "ds"), "sent": sent, "external": m1[EXTERNAL] - m0[EXTERNAL], "store": store}
 
 

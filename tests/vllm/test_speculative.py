@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import json
 import random
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,13 +18,11 @@ from kvtrace.dataset.reader import Dataset
 from kvtrace.demo import workload
 from kvtrace.demo.server import VllmServer
 from tests import helpers
-from tests.helpers import wait_for
 from tests.vllm.conftest import free_port, vllm_skip_reason
 from tests.vllm.test_hook import settled_metrics
 
 pytestmark = pytest.mark.root
 
-REPO = Path(__file__).resolve().parents[2]
 DRAFTS, ACCEPTED = "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total"
 OUT, N = 16, 12
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -52,15 +47,8 @@ def run(tmp_path_factory):
 
 def scenario(srv, base: Path) -> dict:
     rnd = random.Random(36)
-    err = base / "agent.stderr"
-    agent = subprocess.Popen([sys.executable, "-m", "kvtrace", "attach", "--quiet", "--port", str(srv.port),
-                              "--out", str(base / "ds")], stderr=open(err, "wb"), cwd=REPO)
     sent = {}
-    try:
-        wait_for(lambda: agent.poll() is not None or "injected in engine" in err.read_text(errors="replace"),
-                 180, "the hook's injection")
-        assert agent.poll() is None, err.read_text()[-3000:]
-        time.sleep(1.2)   # the hook re-reads the agent flag once a second
+    with helpers.Attached(srv.port, base / "ds"):
         m0 = settled_metrics(srv, (DRAFTS, ACCEPTED))
         for i in range(N):
             pattern = workload.tokens(rnd, 8)
@@ -68,9 +56,6 @@ def scenario(srv, base: Path) -> dict:
             sent[f"s{i}"] = helpers.post_completion(srv.url, srv.model, p, f"s{i}", max_tokens=OUT, ignore_eos=True)
         m1 = settled_metrics(srv, (DRAFTS, ACCEPTED))
         time.sleep(1.5)
-    finally:
-        agent.send_signal(signal.SIGINT)
-        assert agent.wait(180) == 0, err.read_text()[-3000:]
     return {"ds": Dataset.open(base / "ds"), "sent": sent, "base": base,
             "drafts": m1[DRAFTS] - m0[DRAFTS], "accepted": m1[ACCEPTED] - m0[ACCEPTED]}
 

@@ -9,28 +9,17 @@ but the last comes back from the files (external tokens), each rank reading its 
 from __future__ import annotations
 
 import json
-import random
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from kvtrace.dataset.reader import Dataset
-from kvtrace.demo import workload
 from kvtrace.demo.server import TINY_LLAMA, VllmServer
-from tests import helpers
-from tests.helpers import wait_for
 from tests.vllm.conftest import free_port, vllm_skip_reason
-from tests.vllm.test_hook import settled_metrics
+from tests.vllm.test_example_connector import scenario as two_rounds
 
 pytestmark = pytest.mark.root
 
-REPO = Path(__file__).resolve().parents[2]
 BLOCK, PROMPT, TP = 32, 704, 2
-EXTERNAL = "vllm:external_prefix_cache_hits_total"
 M = TINY_LLAMA
 # one rank's share of a block: K and V of every layer for half the KV heads, bf16
 RANK_BLOCK_BYTES = (2 * M["num_hidden_layers"] * BLOCK * (M["num_key_value_heads"] // TP)
@@ -62,30 +51,8 @@ def run(tmp_path_factory):
 
 
 def scenario(srv, base: Path, store: Path) -> dict:
-    rnd = random.Random(36)
-    prompts = {"A": workload.tokens(rnd, PROMPT), "B": workload.tokens(rnd, PROMPT)}
-    err = base / "agent.stderr"
-    agent = subprocess.Popen([sys.executable, "-m", "kvtrace", "attach", "--quiet", "--port", str(srv.port),
-                              "--out", str(base / "ds")], stderr=open(err, "wb"), cwd=REPO)
-    sent = {}
-    try:
-        wait_for(lambda: agent.poll() is not None or "injected in engine" in err.read_text(errors="replace"),
-                 240, "the hook's injection")
-        assert agent.poll() is None, err.read_text()[-3000:]
-        time.sleep(1.2)   # the hook re-reads the agent flag once a second
-        m0 = settled_metrics(srv, (EXTERNAL,))
-        for n, p in prompts.items():
-            sent[f"{n}1"] = helpers.post_completion(srv.url, srv.model, p, f"{n}1")
-        helpers.dev_post(srv.url, "/reset_prefix_cache")
-        for n, p in prompts.items():
-            sent[f"{n}2"] = helpers.post_completion(srv.url, srv.model, p, f"{n}2")
-        m1 = settled_metrics(srv, (EXTERNAL,))
-        time.sleep(1.5)
-    finally:
-        agent.send_signal(signal.SIGINT)
-        assert agent.wait(180) == 0, err.read_text()[-3000:]
-    return {"ds": Dataset.open(base / "ds"), "sent": sent, "external": m1[EXTERNAL] - m0[EXTERNAL], "store": store,
-            "workers": srv.processes()["workers"]}
+    """test_example_connector's two rounds, and the server's Worker processes."""
+    return {**two_rounds(srv, base, store), "workers": srv.processes()["workers"]}
 
 
 def name(r: dict) -> str:
