@@ -4,7 +4,8 @@ ExampleConnector, checked against vLLM's responses and /metrics and both connect
 Workload (tests/vllm/test_example_connector.py's two rounds, chunked prefill off for the
 ExampleConnector): prompts A and B sent once (both connectors store them), vLLM's prefix cache
 emptied, sent again: MultiConnector asks its connectors in order and loads from the first that
-has the prefix, the file connector.
+has the prefix, the file connector.  Marked long (`make test-long`): the connectors it stacks
+each have a live test of their own in CI.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from tests.vllm.conftest import free_port, vllm_skip_reason
 from tests.vllm.test_example_connector import BLOCK, BLOCK_BYTES, PROMPT
 from tests.vllm.test_example_connector import scenario as two_rounds
 
-pytestmark = pytest.mark.root
+pytestmark = [pytest.mark.root, pytest.mark.long]   # by hand (make test-long): CI's time goes to the configurations
 
 NAME = "MultiConnector(KvtraceFileConnector+ExampleConnector)"
 
