@@ -42,7 +42,7 @@ COLUMNS: dict[str, list[tuple[str, str, str]]] = {
               ("cached_local", "cached_local", "I"), ("cached_external", "cached_external", "I"),
               ("start", "tok_start", "I"), ("hit_blocks", "hit_blocks", "I"), ("resumed", "resumed", "I")],
     "evict": [("pid", "pid", "I"), ("step", "step", "I"), ("t_ns", "t_ns", "I"), ("block_hash", "block_hash", "H"),
-              ("request", "request", "S")],
+              ("request", "request", "S"), ("group", "grp", "I")],
     "preempt": [("pid", "pid", "I"), ("step", "step", "I"), ("t_ns", "t_ns", "I"), ("request", "request", "S"),
                 ("computed_before", "computed_before", "I"), ("num_tokens", "num_tokens", "I"),
                 ("num_preemptions", "attempt", "I")],

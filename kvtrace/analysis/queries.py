@@ -18,7 +18,7 @@ STORAGE_PATH = ("path LIKE '/%' AND NOT (path LIKE '/proc/%' OR path LIKE '/sys/
 
 CAUSES = ("hit_local", "hit_external", "miss_cold", "miss_unseen", "miss_evicted", "miss_inflight", "miss_tail",
           "miss_other_key", "miss_not_looked_up", "miss_tier_partial",
-          "miss_other_engine")   # kvtrace.correlate.causes.CAUSES
+          "miss_other_engine", "miss_group", "miss_match_unit")   # kvtrace.correlate.causes.CAUSES
 CAUSE_COLUMNS = ", ".join(f"SUM(CASE WHEN cause = '{c}' THEN tokens ELSE 0 END) AS {c}" for c in CAUSES)
 
 
@@ -143,18 +143,18 @@ def _reuse_views() -> list[tuple[str, str]]:
                        FROM adm a JOIN pblock pb ON pb.run = a.run AND pb.pid = a.pid AND pb.request = a.request
                        JOIN bsz z ON z.run = a.run AND z.pid = a.pid
                        WHERE z.bs > 0 AND pb.idx < CAST(FLOOR((a.prefill_len - 1) / z.bs) AS BIGINT)),
-                     ev AS (SELECT run, pid, step, t_ns, block_hash,
-                            ROW_NUMBER() OVER (ORDER BY run, pid, step, t_ns, block_hash) AS eid FROM evict),
+                     ev AS (SELECT run, pid, step, t_ns, block_hash, grp,
+                            ROW_NUMBER() OVER (ORDER BY run, pid, step, t_ns, block_hash, grp) AS eid FROM evict),
                      nx AS (SELECT e.eid, MIN(r.step) AS ref_step FROM ev e JOIN refs r ON r.run = e.run
                             AND r.pid = e.pid AND r.hash = e.block_hash AND r.step > e.step GROUP BY e.eid),
                      pick AS (
-                       SELECT e.eid, e.run, e.step AS ev_step, e.t_ns AS ev_t, r.request, r.attempt, r.step AS ref_step,
+                       SELECT e.eid, e.run, e.grp, e.step AS ev_step, e.t_ns AS ev_t, r.request, r.attempt, r.step AS ref_step,
                               r.idx, r.bs, r.cached_local, r.cached_external, s.t_start_ns AS ref_t,
                               ROW_NUMBER() OVER (PARTITION BY e.eid ORDER BY r.request, r.attempt) AS rn
                        FROM ev e JOIN nx ON nx.eid = e.eid
                        JOIN refs r ON r.run = e.run AND r.pid = e.pid AND r.hash = e.block_hash AND r.step = nx.ref_step
                        JOIN stp s ON s.run = r.run AND s.pid = r.pid AND s.step = r.step)
-                     SELECT eid, run, ev_step, ev_t, ref_step, ref_t, ref_t - ev_t AS dt_ns, ref_step - ev_step AS dsteps,
+                     SELECT eid, run, grp, ev_step, ev_t, ref_step, ref_t, ref_t - ev_t AS dt_ns, ref_step - ev_step AS dsteps,
                        idx, bs, request, attempt,
                        CASE WHEN idx * bs < cached_local THEN 'restored'
                             WHEN idx * bs < cached_local + cached_external THEN 'reloaded'
@@ -250,6 +250,15 @@ FIGURES: dict[str, str] = {
         WHERE LEAST(x.blocks, b.cap) > b.hitb ORDER BY b.run, b.step, b.request""",
     "evictions": "SELECT COUNT(*) AS evictions FROM evict",
     "reref_outcome": """SELECT outcome, COUNT(*) AS blocks, SUM(bs) AS tokens FROM reref GROUP BY outcome ORDER BY outcome""",
+    # a hybrid model's KV cache groups evict on their own (one eviction per group's copy)
+    "evict_groups": """SELECT e.grp AS kv_group, COUNT(*) AS evictions,
+        COALESCE(MAX(r.rereferenced), 0) AS rereferenced, COALESCE(MAX(r.lost), 0) AS thrash_blocks,
+        COALESCE(MAX(r.lost_tokens), 0) AS thrash_tokens
+        FROM evict e LEFT JOIN (SELECT grp, COUNT(*) AS rereferenced,
+                                       SUM(CASE WHEN outcome = 'lost' THEN 1 ELSE 0 END) AS lost,
+                                       SUM(CASE WHEN outcome = 'lost' THEN bs ELSE 0 END) AS lost_tokens
+                                FROM reref GROUP BY grp) r ON r.grp = e.grp
+        GROUP BY e.grp ORDER BY e.grp""",
     "reref_dist": f"""SELECT COUNT(*) AS n, {pct('dt_ns', 'dt', (0.5, 0.9, 0.99))}, {pct('dsteps', 'steps', (0.5, 0.9))},
         MIN(dt_ns) AS dt_min, MAX(dt_ns) AS dt_max FROM reref""",
     "reref_hist": f"""SELECT bucket, outcome, COUNT(*) AS blocks FROM (SELECT {DT_BUCKET.format(x='dt_ns')} AS bucket, outcome

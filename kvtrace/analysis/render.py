@@ -251,6 +251,9 @@ def _chunking(t: Term, rep: dict) -> None:
             ["evictions / evicted blocks needed again", f"{ev['evictions']:,} / {ev['rereferenced']:,}"]]
     rows += [[f"  re-referenced and {k}", f"{v['blocks']:,} blocks ({v['tokens']:,} tokens)"]
              for k, v in sorted(ev["outcomes"].items())]
+    rows += [[f"  KV cache group {g['kv_group']}: evictions / needed again / recomputed (thrash)",
+              f"{g['evictions']:,} / {g['rereferenced']:,} / {g['thrash_blocks']:,} ({pct(g['thrash_rate'])})"]
+             for g in ev.get("by_group", ())]
     rows.append(["eviction → re-reference p50 / p90 / p99 (ms)", f"{ms(d['dt_p50'])} / {ms(d['dt_p90'])} / {ms(d['dt_p99'])}"])
     t.table(f"Chunking versus blocks (block size {rep['block_size']})",
             [Col("figure", justify="left", wrap="word"), Col("value", wrap="word")], rows)
@@ -258,7 +261,8 @@ def _chunking(t: Term, rep: dict) -> None:
 
 MISS_LABEL = {"miss_cold": "cold", "miss_unseen": "unseen", "miss_evicted": "evicted", "miss_inflight": "in flight",
               "miss_tail": "tail", "miss_other_key": "other key", "miss_not_looked_up": "not looked up",
-              "miss_tier_partial": "tier partial chunk", "miss_other_engine": "on another engine"}
+              "miss_tier_partial": "tier partial chunk", "miss_other_engine": "on another engine",
+              "miss_group": "cut by a KV cache group", "miss_match_unit": "below the match unit"}
 
 
 def _misses(t: Term, rep: dict, rows: int) -> None:

@@ -284,6 +284,9 @@ def _chunking(rows: dict[str, list[dict]], one: dict[str, dict], pt: int) -> dic
             "thrash_rate": _ratio(lost.get("blocks", 0), ev),
             "distance": {k: dist.get(k) for k in ("n", "dt_p50", "dt_p90", "dt_p99", "steps_p50", "steps_p90", "dt_min", "dt_max")},
             "histogram": rows["reref_hist"],
+            # per KV cache group, when there are several (a hybrid model)
+            "by_group": [{**g, "thrash_rate": _ratio(g["thrash_blocks"], g["evictions"])}
+                         for g in rows["evict_groups"]] if len(rows["evict_groups"]) > 1 else [],
         },
     }
 

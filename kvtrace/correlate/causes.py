@@ -28,6 +28,12 @@ prompt (or of the prefill after a preemption) are split:
                                miss_evicted, miss_unseen or miss_other_key), and every request
                                that computed the block had it in its last, partial tier chunk, so
                                the tier never stored it
+    miss_group                 a hybrid model (several KV cache groups: kv_group rows): cached for
+                               full attention, but another group's rule cut the hit there (a
+                               sliding window's last blocks, a Mamba state: vLLM's hybrid hit
+                               rule); `group` names the group
+    miss_match_unit            cached, or past the last hittable unit, but below the hit's
+                               alignment (a hybrid model's match unit larger than a block)
     miss_cold                  never stored, and the cache's whole history is known
     miss_unseen                not seen stored in this run, and the server had served before the
                                agent attached (it may have been stored and evicted then), or removed
@@ -48,10 +54,12 @@ from __future__ import annotations
 from collections import Counter, OrderedDict, defaultdict
 from dataclasses import dataclass, field
 
+from kvtrace.correlate.hybrid import Hybrid
 from kvtrace.servers import registry
 
 CAUSES = ("hit_local", "hit_external", "miss_cold", "miss_unseen", "miss_evicted", "miss_inflight", "miss_tail",
-          "miss_other_key", "miss_not_looked_up", "miss_tier_partial", "miss_other_engine")
+          "miss_other_key", "miss_not_looked_up", "miss_tier_partial", "miss_other_engine", "miss_group",
+          "miss_match_unit")
 HITS = ("hit_local", "hit_external")
 MISSES = CAUSES[2:]
 _BREAK = "break"
@@ -80,6 +88,7 @@ class Segment:
     distance_ns: int = 0         # miss_evicted: from its eviction to this admission's step start
     computing: str = ""          # miss_inflight: the running request computing it
     other_engine: int = 0        # miss_other_engine: an engine (pid) that held it
+    group: int = 0               # miss_group: the KV cache group whose rule cut the hit
 
 
 @dataclass
@@ -102,6 +111,7 @@ class _Engine:
     tier_chunk: int = 0                                 # tokens per chunk of a whole-chunk KV tier (0: none)
     tier_held: set = field(default_factory=set)         # computed in some request's whole tier chunk
     tier_partial: set = field(default_factory=set)      # computed only in requests' partial last tier chunks
+    hybrid: "Hybrid | None" = None                      # several KV cache groups (kvtrace.correlate.hybrid)
 
 
 class CacheReplay:
@@ -118,12 +128,15 @@ class CacheReplay:
     # -- per-request structure: prompt chains, lookups, the snapshot at attach -----------------
 
     def structure(self, prompt_blocks=(), resume_blocks=(), prompt_plain=(), lookup=(), cached=(), engine=(),
-                  tiers=()) -> None:
+                  tiers=(), kv_group=(), cached_in=()) -> None:
         sizes = {int(r["chunk_tokens"]) for r in tiers if r.get("chunk_tokens")}
         if len(sizes) == 1:   # the run's tier (attach follows the engines' KV-transfer config to it)
             self.tier_chunk = sizes.pop()
         for r in engine:   # a radix tree (SGLang's) holds a chunk from the next step on
             self.engines[r["pid"]].radix = registry.kind(r["name"]).cache_model == "radix"
+        for r in kv_group:
+            e = self.engines[r["pid"]]
+            e.hybrid = (e.hybrid or Hybrid()).group(r)
         for r in prompt_blocks:
             e = self.engines[r["pid"]]
             e.block_size = e.block_size or int(r["block_size"])
@@ -146,6 +159,12 @@ class CacheReplay:
                 e.fresh = {0: True, 1: False}.get(int(r["served"]))
             for h in r["hashes"]:
                 _store(e, int(h), int(h))
+        for r in cached_in:   # with several groups: each group's share of the snapshot at attach
+            e = self.engines[r["pid"]]
+            if e.hybrid is not None and _snap_time(r) == e.snapshot_ns:
+                e.hybrid.snapshot(int(r["group"]), r["first"], r["hashes"])
+                if int(r["group"]) == e.hybrid.ref and int(r["first"]) + len(r["hashes"]) >= int(r["total"]):
+                    _keep_only(e, e.hybrid.present[e.hybrid.ref])   # the reference group's own share
 
     def set_fresh(self, pid: int, fresh: bool) -> None:
         """Whether the engine served no request before the run (when the snapshot cannot say)."""
@@ -207,6 +226,8 @@ class CacheReplay:
     def _finish(self, pid: int, e: _Engine, r: str) -> None:
         """A finished request: nothing of it is needed again but its segments, until its chunks are read."""
         _leave(e, r)
+        if e.hybrid is not None:
+            e.hybrid.leave(r)
         for d in (e.chains, e.plains, e.lookups):
             d.pop(r, None)
         self.finished.append((pid, r))
@@ -220,12 +241,18 @@ class CacheReplay:
         chain = e.chains.get(r, {})
         skipped, keyed = e.lookups.get(r, {}).get(attempt, (False, False))
         segs = [(0, hit_l, "hit_local", {}), (hit_l, hit_l + hit_x, "hit_external", {})]
+        hy = None
         if skipped:
             segs.append((hit_l + hit_x, total, "miss_not_looked_up", {}))
         else:
             top = bs * ((total - 1) // bs) if total else 0   # tokens vLLM can hit at most
+            hy = e.hybrid.cut(chain, top // bs, bs) if e.hybrid is not None and e.hybrid.active else None
             first_cause = None
             for i in range((hit_l + hit_x) // bs, top // bs):
+                ruled = _by_rule(hy, i * bs)
+                if ruled is not None:
+                    segs.append((i * bs, (i + 1) * bs, *ruled))
+                    continue
                 cause, detail = self._block(e, r, i, chain.get(i), keyed, t_step)
                 if first_cause is None:
                     first_cause = cause if cause != _BREAK else "miss_unseen"
@@ -239,6 +266,8 @@ class CacheReplay:
                 segs.append((i * bs, (i + 1) * bs, cause, detail))
             segs.append((max(top, hit_l + hit_x), total, "miss_tail", {}))
         self._emit(pid, r, attempt, int(a["step"]), segs)
+        if hy is not None:
+            e.hybrid.admit(r, total, hy, hit_l + hit_x)
         for i in range((hit_l + hit_x) // bs):   # what hit is cached (loaded blocks too)
             h = chain.get(i)
             if h is not None:
@@ -300,7 +329,8 @@ class CacheReplay:
             last = out[-1] if out else None
             if last is not None and last.request == r and last.attempt == attempt and last.cause == cause \
                     and last.end == start and (_same(last, detail) if tokens else
-                                               not detail and not last.evict_ns and not last.computing):
+                                               set(detail) <= {"group"} and last.group == detail.get("group", 0)
+                                               and not last.evict_ns and not last.computing):
                 last.end = end
                 continue
             out.append(Segment(pid, r, attempt, step, start, end, cause, **detail))
@@ -329,6 +359,28 @@ def _plain(e: _Engine, r: str, i: int, h: int, keyed: bool) -> int:
     return h
 
 
+def _by_rule(hy, tok: int):
+    """A hybrid model's block at token ``tok`` that full attention caches but the hit rule cut
+    (cause, detail), or None: (full, ruled, group, aligned, unit_top) of Hybrid.cut."""
+    if hy is None:
+        return None
+    full, ruled, group, aligned, unit_top = hy
+    if tok >= unit_top or aligned <= tok < ruled:
+        return "miss_match_unit", {}
+    if ruled <= tok < full:
+        return "miss_group", {"group": group}
+    return None
+
+
+def _keep_only(e: _Engine, keep: set) -> None:
+    for h in [h for h in e.present if h not in keep]:
+        e.present.discard(h)
+        p = e.plain_of.pop(h, h)
+        e.present_plain[p] -= 1
+        if e.present_plain[p] <= 0:
+            del e.present_plain[p]
+
+
 def _store(e: _Engine, h: int, plain: int) -> None:
     if h in e.present:
         return
@@ -342,6 +394,11 @@ def _store(e: _Engine, h: int, plain: int) -> None:
 def _evict(e: _Engine, rows) -> None:
     for x in rows:
         h = int(x["block_hash"])
+        if e.hybrid is not None and e.hybrid.active:
+            g = int(x.get("group") or 0)
+            e.hybrid.evict(g, h)
+            if g != e.hybrid.ref:   # another group's copy: the reference group still holds the block
+                continue
         e.evictions += 1
         e.evicted[h] = (int(x["t_ns"]), x["request"], e.evictions - 1)
         if h in e.present:
@@ -364,6 +421,8 @@ def _progress(e: _Engine, r: str, end: int) -> None:
         h = chain.get(i)
         if h is not None:
             _store(e, h, _plain(e, r, i, h, run[3]))
+            if e.hybrid is not None and e.hybrid.active:
+                e.hybrid.computed(r, i, h, bs)
             if e.tier_chunk:
                 _tier_computed(e, h, (i + 1) * bs <= whole)
             run[2].discard(h)
@@ -409,12 +468,12 @@ def table_rows(segments) -> dict[str, list]:
     """The token_causes columns (docs/schema.md) of these segments."""
     cols = {k: [] for k in ("engine_pid", "request", "attempt", "step", "token_start", "token_end", "tokens", "cause",
                             "block_hash", "evict_ns", "evicted_by", "distance_blocks", "distance_ns", "computing",
-                            "other_engine")}
+                            "other_engine", "group")}
     for s in segments:
         for k, v in (("engine_pid", s.engine_pid), ("request", s.request), ("attempt", s.attempt), ("step", s.step),
                      ("token_start", s.start), ("token_end", s.end), ("tokens", s.end - s.start), ("cause", s.cause),
                      ("block_hash", s.block_hash), ("evict_ns", s.evict_ns), ("evicted_by", s.evicted_by),
                      ("distance_blocks", s.distance_blocks), ("distance_ns", s.distance_ns), ("computing", s.computing),
-                     ("other_engine", s.other_engine)):
+                     ("other_engine", s.other_engine), ("group", s.group)):
             cols[k].append(v)
     return cols

@@ -53,7 +53,8 @@ KERNEL = {
 }
 COLUMNS = {**HOOK, **KERNEL}
 # The hook's records the miss-cause replay reads whole (kvtrace.correlate.stages.causes).
-STRUCTURE = ("prompt_blocks", "resume_blocks", "prompt_plain", "lookup", "cached", "engine", "tiers")
+STRUCTURE = ("prompt_blocks", "resume_blocks", "prompt_plain", "lookup", "cached", "engine", "tiers", "kv_group",
+             "cached_in")
 TABLES_USED = tuple(COLUMNS) + STRUCTURE
 # NVMe commands and NIC counter deltas (kvtrace.capture.nvme, kvtrace.fabric) go to the steps they overlap.
 OVERLAP_PREFIXES = ("nvme_cmd", "nic_counters")

@@ -183,6 +183,7 @@ TABLES: dict[str, pa.Schema] = {
         # found again and recomputed
         ("miss_cold", u32), ("miss_unseen", u32), ("miss_evicted", u32), ("miss_inflight", u32), ("miss_tail", u32),
         ("miss_other_key", u32), ("miss_not_looked_up", u32), ("miss_tier_partial", u32), ("miss_other_engine", u32),
+        ("miss_group", u32), ("miss_match_unit", u32),
         ("readmit_recomputed_tokens", u32),
         # its loads from a KV connector as the scheduler drove it (kv_alloc, kv_done): the connector,
         # tokens and bytes loaded, the wait for its async loads, its failed loads
@@ -194,6 +195,7 @@ TABLES: dict[str, pa.Schema] = {
         ("engine_pid", u32), ("request", s), ("attempt", u32), ("step", u64), ("token_start", u32),
         ("token_end", u32), ("tokens", u32), ("cause", d), ("block_hash", u64), ("evict_ns", u64), ("evicted_by", s),
         ("distance_blocks", u32), ("distance_ns", i64), ("computing", s), ("other_engine", u32),
+        ("group", u32),
     ]),
     "chunks": pa.schema([
         ("engine_pid", u32), ("step", u64), ("request", s), ("attempt", u32), ("chunk_index", i32),
@@ -209,6 +211,7 @@ TABLES: dict[str, pa.Schema] = {
         # the tokens this chunk computed, by why they missed (kvtrace.correlate.causes)
         ("miss_cold", u32), ("miss_unseen", u32), ("miss_evicted", u32), ("miss_inflight", u32), ("miss_tail", u32),
         ("miss_other_key", u32), ("miss_not_looked_up", u32), ("miss_tier_partial", u32), ("miss_other_engine", u32),
+        ("miss_group", u32), ("miss_match_unit", u32),
     ]),
     "steps": pa.schema([
         ("engine_pid", u32), ("step", u64), ("t_start_ns", u64), ("t_sched_end_ns", u64), ("t_end_ns", u64),

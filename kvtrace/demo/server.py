@@ -34,7 +34,17 @@ TINY_LLAMA = {
 # tiny model's, most of it the model's own arithmetic rather than vLLM's Python around it
 SMALL_LLAMA = {**TINY_LLAMA, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
                "num_attention_heads": 16, "num_key_value_heads": 4}
-MODELS = {"tiny": TINY_LLAMA, "small": SMALL_LLAMA}
+# A hybrid model: Gemma 3's layout at the tiny model's width, one sliding-window layer (a 64-token
+# window) and one full-attention layer, so vLLM makes two KV cache groups
+TINY_GEMMA3 = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 256, "intermediate_size": 512,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 32000,
+    "max_position_embeddings": 8192, "sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"],
+    "query_pre_attn_scalar": 64, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "torch_dtype": "bfloat16",
+    "rms_norm_eps": 1e-6, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0, "tie_word_embeddings": True,
+    "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": None, "attn_logit_softcapping": None,
+}
+MODELS = {"tiny": TINY_LLAMA, "small": SMALL_LLAMA, "hybrid": TINY_GEMMA3}
 
 
 def vllm_python() -> str:

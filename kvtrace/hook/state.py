@@ -21,11 +21,12 @@ import time
 from .transport import Transport, agent_pids, owner_live
 from .wire import CODEC
 
-HOOK_VERSION = "7"  # 2: evictions batched (wire record 13); 3: records sent every 100 ms (record 14);
+HOOK_VERSION = "8"  # 2: evictions batched (wire record 13); 3: records sent every 100 ms (record 14);
 # 4: one kv_step record per Worker step (record 15) instead of a kv_load and a kv_store;
 # 5: records 16-19 for the miss causes (lookup, prompt_plain, cached, resume_blocks); servers checked, not versioned;
 # 6: any KV connector from its scheduler (records 21-24), save_kv_layer timed (kv_step2, record 25);
 # 7: speculative decoding: drafts scheduled and accepted, output tokens per request (records 28, 29)
+# 8: KV cache groups (record 30) and, with several, each group's cache snapshot (record 31)
 MAX_QUEUE = 20000          # records waiting for their flush
 # Engine records are sent at a step end once FLUSH_EVERY_NS have passed since the last send, once
 # FLUSH_RECORDS are queued, or when the scheduler has no request left (the engine then waits for

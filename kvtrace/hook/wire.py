@@ -155,6 +155,21 @@ RECORDS: dict[int, tuple[str, list[tuple[str, str]]]] = {
                        ("generated", "I")]),
     29: ("spec_req", [("step", "Q"), ("t_ns", "Q"), ("request", "s"), ("drafts", "I"), ("accepted", "I"),
                      ("output_tokens", "I")]),
+    # After each hook_start on a vLLM engine: one per KV cache group (kvtrace.hook.vllm.groups).
+    # kind: its spec ("full_attention", "sliding_window", "chunked_local_attention", "mamba", ...);
+    # block_size: tokens per block of its manager; window: the sliding window or local chunk in
+    # tokens (0: none); layers and page_bytes (a block's bytes over all its layers); hash_block:
+    # tokens per block hash (prompt_blocks' block_size); align: tokens a hit is a multiple of (the
+    # match unit); num_blocks: the block pool all groups share; retention: vLLM's
+    # prefix_cache_retention_interval for sliding-window and Mamba groups (-1: None, every block
+    # kept; 0: only the blocks a hit at a prompt's end or a shared-prefix junction needs; k: also
+    # those of every k tokens).
+    30: ("kv_group", [("t_ns", "Q"), ("group", "I"), ("kind", "s"), ("block_size", "I"), ("window", "I"),
+                      ("layers", "I"), ("page_bytes", "Q"), ("hash_block", "I"), ("align", "I"), ("num_blocks", "I"),
+                      ("retention", "i")]),
+    # With several KV cache groups: the `cached` snapshot of one group (the hashes its blocks are
+    # cached under), sent after that snapshot with the same t_ns; first and total as there.
+    31: ("cached_in", [("t_ns", "Q"), ("group", "I"), ("first", "I"), ("total", "I"), ("hashes", "U")]),
 }
 
 EVICTS_MAX = 200  # evictions per `evicts` record (3,200 bytes of blocks: one record fits a frame)

@@ -20,7 +20,7 @@ from .. import state
 from ..state import (FLUSH_EVERY_NS, FLUSH_RECORDS, MAX_TRACKED, _enqueue, _flush, _hook_start, _leave_if_owner_gone,
                      _monotonic_ns, _new_agent, _refresh)
 from ..wire import EVICTS_MAX, PROMPT_PIECE
-from . import connector, releases, spec
+from . import connector, groups, releases, spec
 
 # The shared state's objects are bound here by assignment, not by `from ..state import`: CPython
 # 3.11+ compiles `T.error(e)` on an imported name as an attribute load that makes a bound method
@@ -33,7 +33,7 @@ class _Engine:
     """EngineCore state, reset whenever the agent goes away."""
 
     __slots__ = ("on", "rec", "step", "cur_req", "last_alloc", "reqs", "alloc", "steps", "evicted", "ev",
-                 "alloc_failures", "broken", "seen_check", "agents", "counting", "spec", "spec_now")
+                 "alloc_failures", "broken", "seen_check", "agents", "counting", "spec", "spec_now", "dropped")
 
     def __init__(self):
         self.counting = False   # the hook numbers the steps (_schedule_pre_counting); kept over resets
@@ -48,6 +48,7 @@ class _Engine:
         self.reqs: dict[str, list] = {}      # request id -> [next chunk index, prefill_len, attempt] or _DECODING
         self.alloc: dict[str, tuple] = {}    # request id -> (local, external, hit blocks, last hash)
         self.steps: dict[int, tuple] = {}    # id(SchedulerOutput) -> step summary
+        self.dropped: dict[str, set] = {}    # request finished while steps were in flight -> their id(SchedulerOutput)
         self.evicted = 0
         self.ev: list | None = None          # the open `evicts` batch: [step, t_ns, medium, request, blocks]
         self.alloc_failures = 0
@@ -120,7 +121,7 @@ def _engine_on(sched) -> None:
     _new_agent(S)
     _hook_start("engine", "vllm", releases.version())
     if S.rec:
-        _snapshot(sched)
+        _snapshot(sched, groups.send(sched, _monotonic_ns()))
         try:
             connector.start(sched)
         except Exception as e:
@@ -332,8 +333,9 @@ def _plain_chain(sched, req) -> list[int]:
     return out
 
 
-def _snapshot(sched) -> None:
-    """cached: the prefix cache's block hashes as the hook begins recording for an agent."""
+def _snapshot(sched, ngroups: int = 1) -> None:
+    """cached: the prefix cache's block hashes as the hook begins recording for an agent (and,
+    with several KV cache groups, each group's: kvtrace.hook.vllm.groups)."""
     try:
         pool = sched.kv_cache_manager.block_pool
         extra = getattr(pool, "cached_block_hashes_by_block", None) or {}
@@ -350,6 +352,8 @@ def _snapshot(sched) -> None:
         served = 2 if S.counting else (1 if step > 0 else 0)
         for i in range(0, max(len(hashes), 1), PROMPT_PIECE):
             _enqueue(("cached", now, step, served, i, len(hashes), hashes[i:i + PROMPT_PIECE]))
+        if ngroups > 1:
+            groups.snapshot(pool, now)
     except Exception as e:
         T.error(e)
 
@@ -363,11 +367,34 @@ def _update_pre(self, scheduler_output, model_runner_output):
     info = S.steps.pop(id(scheduler_output), None) if S.steps else None
     if info is None:
         return _NO_STEP if (_Q or S.ev is not None) else None
+    gone = _dropped(info, scheduler_output) if S.dropped else ()
     if S.spec:
         # (the accepted drafts counted before vLLM trims a finished request's sampled tokens in place)
         drafts = scheduler_output.scheduled_spec_decode_tokens
+        if gone and drafts:
+            drafts = {rid: d for rid, d in drafts.items() if rid not in gone}
         S.spec_now = (drafts, spec.accepted_drafts(drafts, model_runner_output) if drafts else 0)
     return info
+
+
+def _dropped(info, so) -> tuple:
+    """The requests of this step that finished while it was in flight (the batch-queue order of
+    async scheduling and pipeline parallelism: vLLM scheduled their next decode before it knew
+    of the stop, computes it and drops it as "already finished"): their decode tokens are taken
+    out of the step's decode figures (what the requests got), and their drafts out of the
+    step's.  The step's total_tokens still counts them: they were computed."""
+    key, scheduled, gone = id(so), so.num_scheduled_tokens, []
+    for rid, keys in list(S.dropped.items()):
+        if key in keys:
+            keys.discard(key)
+            n = scheduled.get(rid)
+            if n:
+                info[9] -= 1
+                info[10] -= n
+                gone.append(rid)
+            if not keys:
+                del S.dropped[rid]
+    return tuple(gone)
 
 
 def _update_post(self, info, out) -> None:
@@ -375,6 +402,8 @@ def _update_post(self, info, out) -> None:
         if S.ev is not None:
             _evicts_out()
         now = _monotonic_ns()
+        if S.steps and self.finished_req_ids:
+            _note_dropped(self.finished_req_ids)
         if info:
             info[4] = now
             _enqueue(info)
@@ -387,6 +416,18 @@ def _update_post(self, info, out) -> None:
             _flush(now)
     except Exception as e:
         T.error(e)
+
+
+def _note_dropped(finished) -> None:
+    """Decoding requests that finished while other steps were in flight (S.steps: scheduled, not
+    yet updated): _dropped() takes their decode out of those steps.  (The serial EngineCore.step
+    never has a step in flight here.)"""
+    tracked, dropped = S.reqs, S.dropped
+    for rid in finished:
+        if rid not in dropped and tracked.get(rid) is _DECODING:
+            if len(dropped) >= MAX_TRACKED:
+                dropped.clear()
+            dropped[rid] = set(S.steps)
 
 
 def _idle(sched) -> bool:

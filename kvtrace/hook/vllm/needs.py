@@ -47,7 +47,8 @@ ENGINE_METHODS = (
 ENGINE_READS = (
     Attrs(KVM, "KVCacheManager", ("block_pool", "get_block_ids")),   # (get_block_ids_for_computed_tokens: 0.21+, read if there)
     Attrs(SCHED, "Scheduler", ("requests", "running", "waiting", "kv_cache_manager", "block_size", "vllm_config",
-                               "has_unfinished_requests", "cache_config", "connector", "kv_cache_config")),
+                               "has_unfinished_requests", "cache_config", "connector", "kv_cache_config",
+                               "finished_req_ids")),
     Attrs(REQUEST, "Request", ("request_id", "num_computed_tokens", "num_preemptions", "num_tokens",
                                "num_prompt_tokens", "block_hashes", "arrival_time", "trace_headers", "max_tokens",
                                "prompt_token_ids", "skip_reading_prefix_cache", "lora_request", "cache_salt",
