@@ -41,6 +41,8 @@ COLUMNS: dict[str, list[tuple[str, str, str]]] = {
               ("prompt_len", "prompt_len", "I"), ("prefill_len", "prefill_len", "I"),
               ("cached_local", "cached_local", "I"), ("cached_external", "cached_external", "I"),
               ("start", "tok_start", "I"), ("hit_blocks", "hit_blocks", "I"), ("resumed", "resumed", "I")],
+    "kv_group": [("pid", "pid", "I"), ("group", "grp", "I"), ("kind", "kind", "S"), ("block_size", "block_size", "I"),
+                 ("window", "window", "I"), ("align", "align", "I"), ("retention", "retention", "I")],
     "evict": [("pid", "pid", "I"), ("step", "step", "I"), ("t_ns", "t_ns", "I"), ("block_hash", "block_hash", "H"),
               ("request", "request", "S"), ("group", "grp", "I")],
     "preempt": [("pid", "pid", "I"), ("step", "step", "I"), ("t_ns", "t_ns", "I"), ("request", "request", "S"),

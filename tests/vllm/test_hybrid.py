@@ -16,6 +16,13 @@ hittable blocks + 8).
                                                     shared-prefix checkpoint), so both groups hold it
 Each request's hit and its `miss_group` tokens are computed again from the event stream alone
 (each group's cache, vLLM's rule) and must equal vLLM's and kvtrace's.
+
+Before that, on the fresh server, an attach records a shared-prefix workload (system_prompts)
+that `whatif` replays through its model of the two groups' managers
+(kvtrace.analysis.whatif.hybridpool): at the recorded 100-block pool it must reproduce the
+recorded hit rate within 2 points and the evictions within 10%
+(tests/vllm/test_hybrid_whatif.py checks its prediction for another pool size against a real
+run).
 """
 from __future__ import annotations
 
@@ -60,7 +67,8 @@ def run(tmp_path_factory):
         sink.close()
         raise
     try:
-        yield scenario(srv, sink, base)
+        system = system_prompts(srv, base / "ds-system")   # first: whatif replays from an empty cache
+        yield {**scenario(srv, sink, base), "system": system}
     finally:
         srv.stop()
         sink.close()
@@ -74,12 +82,28 @@ def scenario(srv, sink, base: Path) -> dict:
             ("D", p[:SHARED] + workload.tokens(rnd, N - SHARED))]
     sent, at = {}, {}
     with helpers.Attached(srv.port, base / "ds"):
+        t0 = time.monotonic_ns()
         for name, prompt in plan:
             time.sleep(0.5)   # the previous request's events are in
             at[name] = time.monotonic_ns()
             sent[name] = helpers.post_completion(srv.url, srv.model, prompt, name, max_tokens=1)
         time.sleep(1.5)
-    return {"ds": Dataset.open(base / "ds"), "sent": sent, "at": at, "batches": list(sink.batches)}
+    return {"ds": Dataset.open(base / "ds"), "sent": sent, "at": at, "batches": list(sink.batches), "t0": t0}
+
+
+def system_prompts(srv, ds: Path, seed: int = 3610, n: int = 24, prefixes: int = 4) -> dict:
+    """24 requests, one after another, each one of 4 system prompts of 320
+    tokens (round robin) and a question of its own (150-249 tokens), 4 output tokens each."""
+    rnd = random.Random(seed)
+    pre = [workload.tokens(rnd, 320) for _ in range(prefixes)]
+    sent = {}
+    with helpers.Attached(srv.port, ds):
+        for i in range(n):
+            p = pre[i % prefixes] + workload.tokens(rnd, 150 + (i * 37) % 100)
+            sent[f"w{i}"] = helpers.post_completion(srv.url, srv.model, p, f"w{i}", max_tokens=4)
+        time.sleep(1.5)
+    return {"ds": ds, "sent": sent,
+            "hit_rate": sum(cached(r) for r in sent.values()) / sum(r["usage"]["prompt_tokens"] for r in sent.values())}
 
 
 def cached(resp) -> int:
@@ -167,7 +191,7 @@ def test_the_cut_names_the_window_group(run):
 
 def test_analyze_splits_evictions_and_thrash_by_group(run, kvtrace_cli):
     removed: dict[int, int] = {}
-    for _recv, _seq, (_ts, evs, *_r) in run["batches"]:
+    for _recv, _seq, (_ts, evs, *_r) in [b for b in run["batches"] if b[0] >= run["t0"]]:   # this attach's
         for ev in events(evs):
             if ev["type"] == "BlockRemoved":
                 removed[ev.get("group_idx") or 0] = removed.get(ev.get("group_idx") or 0, 0) + len(ev["block_hashes"])
@@ -180,3 +204,22 @@ def test_analyze_splits_evictions_and_thrash_by_group(run, kvtrace_cli):
     assert sum(g["evictions"] for g in ev["by_group"]) == ev["evictions"]
     assert rep["misses"]["first"]["miss_group"] == sum(
         r["miss_group"] for r in run["ds"].table("requests").to_pylist()) > 0
+
+
+def whatif(ds: Path, kvtrace_cli, *args) -> dict:
+    p = kvtrace_cli("whatif", str(ds), "--json", *args, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout)
+
+
+def test_whatif_reproduces_the_recorded_hybrid_run(run, kvtrace_cli):
+    sys_run = run["system"]
+    wi = whatif(sys_run["ds"], kvtrace_cli)
+    (pred,) = wi["predictions"]
+    rec = wi["recorded"]
+    print(f"hybrid whatif: recorded {100 * rec['hit_rate']:.2f}% / {rec['evictions']} evictions, vLLM "
+          f"{100 * sys_run['hit_rate']:.2f}%; replay {100 * pred['hit_rate']:.2f}% / {pred['evictions']}")
+    assert rec["cache_blocks"] == 100 and abs(rec["hit_rate"] - sys_run["hit_rate"]) < 0.005
+    assert 0 < sys_run["hit_rate"] < 0.5, "the workload should both hit and miss"
+    assert abs(100 * pred["hit_rate"] - 100 * rec["hit_rate"]) <= 2.0
+    assert abs(pred["evictions"] - rec["evictions"]) <= 0.10 * max(rec["evictions"], 1)

@@ -36,7 +36,7 @@ class Replay:
                           preemptions=0, prefill_tokens=0, recomputed_tokens=0, readmit_hits=0, steps=0, lookups=0)
         self.hits: dict = {}          # request -> pages hit at its first admission
         self.wait_ns = 0.0            # what the step's admissions wait for the storage tier
-        self.model = model_for(wl.kind)(self, tier, **options)   # refuses settings it cannot replay
+        self.model = model_for(wl.kind, wl.groups)(self, tier, **options)   # refuses settings it cannot replay
         self.m = block // wl.block_size
         rec = wl.recorded
         same = (chunk, block, cache_blocks, tier) == (rec.get("chunk_size"), wl.block_size, rec.get("cache_blocks"),

@@ -10,6 +10,7 @@ from kvtrace.analysis.whatif.recorded import clock, figures, fit_steps, ttft
 from kvtrace.analysis.whatif.requests import chains, closed_loop, first_hits, recorded_requests
 from kvtrace.analysis.whatif.storage import fit, quiet_steps
 from kvtrace.analysis.whatif.workload import Workload
+from kvtrace.correlate.hybrid import Hybrid
 from kvtrace.errors import DatasetError
 
 
@@ -33,7 +34,17 @@ def workload(directory) -> Workload:
     rec["storage_tier"] = tier.spec() if tier.recorded else "file" if storage.loads else "none"
     notes = notes + [f"{closed} of {len(reqs)} requests replayed closed-loop at other settings"]
     return Workload(reqs, b0, rec, model, notes + ([f"storage: {storage.note}"] if storage.note else []), storage,
-                    clock(steps, reqs, finish_at), first_hits(inp, b0), kind=kind, tier=tier)
+                    clock(steps, reqs, finish_at), first_hits(inp, b0), kind=kind, tier=tier, groups=groups(inp))
+
+
+def groups(inp: load.Inputs) -> dict:
+    """The recorded KV cache groups (kv_group rows of the first engine), group -> GroupSpec."""
+    t = load.read_table(inp, "kv_group")
+    if not t.num_rows:
+        return {}
+    rows = t.to_pylist()
+    pid = rows[0]["pid"]
+    return {int(r["group"]): Hybrid().group(r).specs[int(r["group"])] for r in rows if r["pid"] == pid}
 
 
 def server_kind(directory, inp: load.Inputs) -> str:

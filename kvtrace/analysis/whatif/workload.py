@@ -54,6 +54,7 @@ class Workload:
     passes_before: int | None = None           # SGLang's pass count at the attach (radix.passes_before)
     kind: str = field(kw_only=True)            # the server kind recorded (kvtrace.servers.registry)
     tier: TierModel = field(default_factory=TierModel, kw_only=True)   # the recorded LMCache tier, if any
+    groups: dict = field(default_factory=dict, kw_only=True)   # KV cache group -> GroupSpec (kv_group rows)
 
     def distinct(self) -> dict:
         """id(chain) -> whether the chain has no hash twice (computed once for every replay)."""

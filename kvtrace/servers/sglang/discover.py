@@ -6,13 +6,17 @@ A process is an SGLang server when it is a Python interpreter running ``-m sglan
 scheduler (where the hook goes: it runs the radix cache and the model) is found below it by the
 title SGLang sets (``sglang::scheduler``, with a ``_DP<i>_TP<j>`` suffix when parallel).
 Reported as a kvtrace.servers.info.ServerInfo of kind "sglang": the scheduler in
-``engine_pids``, no workers.  Best effort; its files are read confined, as for vLLM (an unsafe
-one raises UnsafePath, and discovery lists the process as unreadable).
+``engine_pids``.  With tensor parallelism (no DP attention) every TP rank runs a scheduler
+holding a replica of rank 0's radix tree: only TP rank 0 is the engine, the other ranks go in
+``worker_pids`` (traced, not hooked: the sglang kind hooks engines only).  Best effort; its
+files are read confined, as for vLLM (an unsafe one raises UnsafePath, and discovery lists the
+process as unreadable).
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 
 import psutil
 
@@ -26,6 +30,7 @@ PLUGIN_GROUP = "sglang.srt.plugins"
 PLUGINS_ENV = "SGLANG_PLUGINS"   # the variable that filters that group's plugins
 SCHEDULER = "sglang::schedul"   # the 15-character comm of "sglang::scheduler..."
 DEFAULT_KV_ENDPOINT = "tcp://*:5557"
+_TP_RANK = re.compile(r"_TP(\d+)(?:_|$)")   # "sglang::scheduler_DP0_TP1" -> 1
 
 
 def server_kind(cmdline: list[str]) -> str | None:
@@ -87,14 +92,16 @@ def describe(proc: psutil.Process) -> ServerInfo | None:
         children = proc.children(recursive=True)
     except (psutil.Error, OSError):
         return None
-    schedulers, others = [], []
+    schedulers, ranks, others = [], [], []
+    dp_attention = "--enable-dp-attention" in cmdline
     for c in children:
         try:
             name = c.name()
         except psutil.Error:
             continue
         if name.startswith(SCHEDULER):
-            schedulers.append(c.pid)
+            tp = _TP_RANK.search(name)
+            (ranks if tp and int(tp.group(1)) and not dp_attention else schedulers).append(c.pid)
         elif name.startswith("sglang::"):
             others.append(c.pid)
     kv = kv_events_from_args(cmdline)
@@ -108,7 +115,7 @@ def describe(proc: psutil.Process) -> ServerInfo | None:
     if plugin == "installed" and allowed and PLUGIN_NAME not in [a.strip() for a in allowed.split(",")]:
         plugin = "disabled"
     return ServerInfo(
-        pid=proc.pid, api_pids=[proc.pid], engine_pids=schedulers, worker_pids=[], other_pids=others,
+        pid=proc.pid, api_pids=[proc.pid], engine_pids=schedulers, worker_pids=ranks, other_pids=others,
         host=host, port=port, model=_arg(cmdline, "--model-path", "--model"), python_exe=py["exe"],
         python_version=py["python"], version=py["version"], site_packages=py["site"], plugin=plugin,
         kv_events=kv, in_container=py["container"], cmdline=cmdline, netns=netns.foreign(proc.pid),
