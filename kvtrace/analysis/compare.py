@@ -14,7 +14,8 @@ from kvtrace.errors import UsageError
 
 CAUSES = ("miss_cold", "miss_unseen", "miss_evicted", "miss_inflight", "miss_tail", "miss_other_key",
           "miss_not_looked_up", "miss_tier_partial",
-          "miss_other_engine", "miss_group", "miss_match_unit")
+          "miss_other_engine", "miss_group", "miss_match_unit",
+          "miss_spec_dropped")
 
 
 def _per_request(rep: dict, key: str) -> float | None:

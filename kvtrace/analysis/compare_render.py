@@ -65,7 +65,8 @@ PLOTS = [("Time to first token (s)", ("ttft_p50", "ttft_p90", "ttft_p99"), 1),
          ("Prompt tokens hit (%)", ("hit_rate", "hit_rate_local", "hit_rate_storage"), 100),
          ("Why prompt tokens missed (% of prompt tokens)", ("miss_cold", "miss_unseen", "miss_evicted", "miss_inflight",
                                                              "miss_tail", "miss_other_key", "miss_not_looked_up", "miss_tier_partial",
-                                                             "miss_other_engine", "miss_group", "miss_match_unit"), 100),
+                                                             "miss_other_engine", "miss_group", "miss_match_unit",
+                                                             "miss_spec_dropped"), 100),
          ("Where chunk time went (%)", ("share_compute", "share_storage", "share_queueing"), 100)]
 
 

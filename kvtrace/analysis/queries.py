@@ -18,7 +18,8 @@ STORAGE_PATH = ("path LIKE '/%' AND NOT (path LIKE '/proc/%' OR path LIKE '/sys/
 
 CAUSES = ("hit_local", "hit_external", "miss_cold", "miss_unseen", "miss_evicted", "miss_inflight", "miss_tail",
           "miss_other_key", "miss_not_looked_up", "miss_tier_partial",
-          "miss_other_engine", "miss_group", "miss_match_unit")   # kvtrace.correlate.causes.CAUSES
+          "miss_other_engine", "miss_group", "miss_match_unit",
+          "miss_spec_dropped")   # kvtrace.correlate.causes.CAUSES
 CAUSE_COLUMNS = ", ".join(f"SUM(CASE WHEN cause = '{c}' THEN tokens ELSE 0 END) AS {c}" for c in CAUSES)
 
 

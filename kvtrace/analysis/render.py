@@ -262,7 +262,8 @@ def _chunking(t: Term, rep: dict) -> None:
 MISS_LABEL = {"miss_cold": "cold", "miss_unseen": "unseen", "miss_evicted": "evicted", "miss_inflight": "in flight",
               "miss_tail": "tail", "miss_other_key": "other key", "miss_not_looked_up": "not looked up",
               "miss_tier_partial": "tier partial chunk", "miss_other_engine": "on another engine",
-              "miss_group": "cut by a KV cache group", "miss_match_unit": "below the match unit"}
+              "miss_group": "cut by a KV cache group", "miss_match_unit": "below the match unit",
+              "miss_spec_dropped": "dropped for the drafter"}
 
 
 def _misses(t: Term, rep: dict, rows: int) -> None:

@@ -34,6 +34,9 @@ prompt (or of the prefill after a preemption) are split:
                                rule); `group` names the group
     miss_match_unit            cached, or past the last hittable unit, but below the hit's
                                alignment (a hybrid model's match unit larger than a block)
+    miss_spec_dropped          the block just past the hit, cached, that vLLM dropped from the hit
+                               because the engine's drafter is EAGLE-style (its kv_group rows'
+                               `eagle`: the draft model needs that block's last token computed)
     miss_cold                  never stored, and the cache's whole history is known
     miss_unseen                not seen stored in this run, and the server had served before the
                                agent attached (it may have been stored and evicted then), or removed
@@ -59,7 +62,7 @@ from kvtrace.servers import registry
 
 CAUSES = ("hit_local", "hit_external", "miss_cold", "miss_unseen", "miss_evicted", "miss_inflight", "miss_tail",
           "miss_other_key", "miss_not_looked_up", "miss_tier_partial", "miss_other_engine", "miss_group",
-          "miss_match_unit")
+          "miss_match_unit", "miss_spec_dropped")
 HITS = ("hit_local", "hit_external")
 MISSES = CAUSES[2:]
 _BREAK = "break"
@@ -112,6 +115,7 @@ class _Engine:
     tier_held: set = field(default_factory=set)         # computed in some request's whole tier chunk
     tier_partial: set = field(default_factory=set)      # computed only in requests' partial last tier chunks
     hybrid: "Hybrid | None" = None                      # several KV cache groups (kvtrace.correlate.hybrid)
+    eagle: bool = False                                 # vLLM drops the last matched block (EAGLE drafter)
 
 
 class CacheReplay:
@@ -137,6 +141,7 @@ class CacheReplay:
         for r in kv_group:
             e = self.engines[r["pid"]]
             e.hybrid = (e.hybrid or Hybrid()).group(r)
+            e.eagle = e.eagle or bool(r.get("eagle"))
         for r in prompt_blocks:
             e = self.engines[r["pid"]]
             e.block_size = e.block_size or int(r["block_size"])
@@ -250,6 +255,8 @@ class CacheReplay:
             first_cause = None
             for i in range((hit_l + hit_x) // bs, top // bs):
                 ruled = _by_rule(hy, i * bs)
+                if ruled is None and e.eagle and i * bs == hit_l + hit_x and chain.get(i) in e.present:
+                    ruled = ("miss_spec_dropped", {})   # the matched block vLLM gave back
                 if ruled is not None:
                     segs.append((i * bs, (i + 1) * bs, *ruled))
                     continue

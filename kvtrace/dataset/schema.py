@@ -183,7 +183,7 @@ TABLES: dict[str, pa.Schema] = {
         # found again and recomputed
         ("miss_cold", u32), ("miss_unseen", u32), ("miss_evicted", u32), ("miss_inflight", u32), ("miss_tail", u32),
         ("miss_other_key", u32), ("miss_not_looked_up", u32), ("miss_tier_partial", u32), ("miss_other_engine", u32),
-        ("miss_group", u32), ("miss_match_unit", u32),
+        ("miss_group", u32), ("miss_match_unit", u32), ("miss_spec_dropped", u32),
         ("readmit_recomputed_tokens", u32),
         # its loads from a KV connector as the scheduler drove it (kv_alloc, kv_done): the connector,
         # tokens and bytes loaded, the wait for its async loads, its failed loads
@@ -211,7 +211,7 @@ TABLES: dict[str, pa.Schema] = {
         # the tokens this chunk computed, by why they missed (kvtrace.correlate.causes)
         ("miss_cold", u32), ("miss_unseen", u32), ("miss_evicted", u32), ("miss_inflight", u32), ("miss_tail", u32),
         ("miss_other_key", u32), ("miss_not_looked_up", u32), ("miss_tier_partial", u32), ("miss_other_engine", u32),
-        ("miss_group", u32), ("miss_match_unit", u32),
+        ("miss_group", u32), ("miss_match_unit", u32), ("miss_spec_dropped", u32),
     ]),
     "steps": pa.schema([
         ("engine_pid", u32), ("step", u64), ("t_start_ns", u64), ("t_sched_end_ns", u64), ("t_end_ns", u64),

@@ -44,7 +44,8 @@ TINY_GEMMA3 = {
     "rms_norm_eps": 1e-6, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0, "tie_word_embeddings": True,
     "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": None, "attn_logit_softcapping": None,
 }
-MODELS = {"tiny": TINY_LLAMA, "small": SMALL_LLAMA, "hybrid": TINY_GEMMA3}
+MODELS = {"tiny": TINY_LLAMA, "small": SMALL_LLAMA}    # the benchmarks' presets (bench/overhead.py --model)
+SERVABLE = {**MODELS, "hybrid": TINY_GEMMA3}
 
 
 def vllm_python() -> str:
@@ -102,15 +103,15 @@ class VllmServer:
     workdir: Path | None = None
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
-    model_name: str = "tiny"   # a key of MODELS
+    model_name: str = "tiny"   # a key of SERVABLE
     cgroup: str | None = None  # a cgroup (v1 or v2 directory) to start the server in, e.g. a blkio one
 
     def start(self, timeout: float = 600.0) -> "VllmServer":
         self.port = self.port or free_port()
         self.workdir = Path(self.workdir or tempfile.mkdtemp(prefix="kvtrace-vllm-"))
-        if self.model_name not in MODELS:
-            raise ValueError(f"no model {self.model_name!r}: use one of {', '.join(MODELS)}")
-        model = write_tiny_model(self.workdir / f"{self.model_name}-llama", MODELS[self.model_name])
+        if self.model_name not in SERVABLE:
+            raise ValueError(f"no model {self.model_name!r}: use one of {', '.join(SERVABLE)}")
+        model = write_tiny_model(self.workdir / f"{self.model_name}-llama", SERVABLE[self.model_name])
         self.model = str(model)
         self.log_path = self.workdir / "server.log"
         cmd = self.command()

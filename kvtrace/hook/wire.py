@@ -163,10 +163,11 @@ RECORDS: dict[int, tuple[str, list[tuple[str, str]]]] = {
     # match unit); num_blocks: the block pool all groups share; retention: vLLM's
     # prefix_cache_retention_interval for sliding-window and Mamba groups (-1: None, every block
     # kept; 0: only the blocks a hit at a prompt's end or a shared-prefix junction needs; k: also
-    # those of every k tokens).
+    # those of every k tokens); eagle: its manager drops the last matched block (an EAGLE-style
+    # drafter: the draft needs the KV of the block's last token computed again).
     30: ("kv_group", [("t_ns", "Q"), ("group", "I"), ("kind", "s"), ("block_size", "I"), ("window", "I"),
                       ("layers", "I"), ("page_bytes", "Q"), ("hash_block", "I"), ("align", "I"), ("num_blocks", "I"),
-                      ("retention", "i")]),
+                      ("retention", "i"), ("eagle", "B")]),
     # With several KV cache groups: the `cached` snapshot of one group (the hashes its blocks are
     # cached under), sent after that snapshot with the same t_ns; first and total as there.
     31: ("cached_in", [("t_ns", "Q"), ("group", "I"), ("first", "I"), ("total", "I"), ("hashes", "U")]),

@@ -42,7 +42,7 @@ from kvtrace.dataset.reader import Dataset
 from kvtrace.demo.sglang_server import SglangServer
 from tests import helpers
 from tests.sglang.conftest import STUB, sglang_skip_reason
-from tests.sglang.test_sglang import metric, settled
+from tests.sglang.test_sglang import settled
 from tests.vllm.conftest import free_port
 
 pytestmark = [pytest.mark.root, pytest.mark.long]

@@ -297,3 +297,20 @@ def test_cached_on_another_engine_of_the_server():
     step(8, 2, 400, evicts=a)
     segs = step(8, 3, 500, admits=[("A3", 13)], chunks=[("A3", 13)])
     assert {k: v for k, v in causes_of(segs)[0].items() if v} == {"miss_evicted": 12, "miss_tail": 1}
+
+
+def test_the_block_an_eagle_drafter_gives_back():
+    """An engine whose drafter is EAGLE-style (kv_group `eagle`): vLLM drops the last matched
+    block from the hit; that block is miss_spec_dropped, the ones after it their own causes."""
+    run = Run()
+    run.replay.structure(kv_group=[{"pid": PID, "group": 0, "kind": "full_attention", "block_size": B, "window": 0,
+                                    "align": B, "hash_block": B, "retention": -1, "eagle": 1}])
+    a = chain("a", 4)
+    run.prompt("A", a)
+    run.do(admits=[("A", 0, 18, 0, 0)], chunks=[("A", 0, 0, 18)], finishes=["A"])
+    run.prompt("A2", a)
+    run.do(admits=[("A2", 0, 18, 12, 0)], chunks=[("A2", 0, 12, 6)])
+    assert run.causes("A2") == {"hit_local": 12, "miss_spec_dropped": 4, "miss_tail": 2}
+    run.prompt("B", a[:2] + chain("b", 2))
+    run.do(admits=[("B", 0, 18, 4, 0)], chunks=[("B", 0, 4, 14)])
+    assert run.causes("B") == {"hit_local": 4, "miss_spec_dropped": 4, "miss_cold": 8, "miss_tail": 2}

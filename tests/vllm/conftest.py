@@ -2,6 +2,7 @@
 its ZMQ KV-event stream that keeps every batch with its arrival time."""
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -29,6 +30,30 @@ def vllm_skip_reason() -> str | None:
     if reason and not Path(py).exists():
         return f"{reason}; set KVTRACE_VLLM_PYTHON"
     return reason
+
+
+def prefix_caching(*extra: str, block: int = 32, budget: int = 256, max_len: int = 2048) -> list[str]:
+    """vLLM's arguments for the configuration tests: prefix caching with each response's cached
+    tokens, ``block``-token blocks, a ``budget``-token chunk budget, then ``extra``."""
+    return ["--block-size", str(block), "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--max-num-batched-tokens", str(budget), "--max-model-len", str(max_len), *extra]
+
+
+@contextlib.contextmanager
+def served(base: Path, args: list[str], ports: tuple[int, int] = (8300, 8349), env: dict | None = None,
+           timeout: float = 600, model: str = "tiny"):
+    """A vLLM server (plugins off: the agent injects the hook) in ``base``/server, started,
+    stopped on the way out; the test skips where vLLM's venv is missing."""
+    reason = vllm_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    srv = VllmServer(args=args, port=free_port(*ports), env={"VLLM_PLUGINS": "", **(env or {})},
+                     workdir=base / "server", model_name=model)
+    srv.start(timeout=timeout)
+    try:
+        yield srv
+    finally:
+        srv.stop()
 
 
 def free_port(lo: int = 8100, hi: int = 8199, avoid: tuple[int, ...] = ()) -> int:

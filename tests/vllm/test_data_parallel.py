@@ -18,9 +18,8 @@ import pytest
 
 from kvtrace.dataset.reader import Dataset
 from kvtrace.demo import workload
-from kvtrace.demo.server import VllmServer
 from tests import helpers
-from tests.vllm.conftest import free_port, vllm_skip_reason
+from tests.vllm.conftest import prefix_caching, served
 
 pytestmark = pytest.mark.root
 
@@ -31,20 +30,10 @@ PLAN = [("A", "A", 0), ("A2", "A", 1), ("A3", "A", 1), ("B", "B", 1), ("B2", "B"
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    reason = vllm_skip_reason()
-    if reason:
-        pytest.skip(reason)
     base = tmp_path_factory.mktemp("data-parallel")
-    srv = VllmServer(args=["--block-size", str(BLOCK), "--enable-prefix-caching", "--enable-prompt-tokens-details",
-                           "--max-num-batched-tokens", "256", "--max-model-len", "2048",
-                           "--num-gpu-blocks-override", "122", "--data-parallel-size", "2"],
-                     port=free_port(8300, 8349), env={"VLLM_PLUGINS": "", "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
-                     workdir=base / "server")
-    srv.start(timeout=900)
-    try:
+    args = prefix_caching("--num-gpu-blocks-override", "122", "--data-parallel-size", "2", block=BLOCK)
+    with served(base, args, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, timeout=900) as srv:
         yield scenario(srv, base)
-    finally:
-        srv.stop()
 
 
 def scenario(srv, base: Path) -> dict:

@@ -30,10 +30,9 @@ from pathlib import Path
 import pytest
 
 from kvtrace.dataset.reader import Dataset
-from kvtrace.demo import workload
-from kvtrace.demo.server import TINY_LLAMA, VllmServer, write_tiny_model
+from kvtrace.demo.server import TINY_LLAMA, write_tiny_model
 from tests import helpers
-from tests.vllm.conftest import free_port, vllm_skip_reason
+from tests.vllm.conftest import prefix_caching, served
 
 pytestmark = pytest.mark.root
 
@@ -52,20 +51,11 @@ EXPECTED = {   # name: (prompt tokens, vLLM's cached tokens, kvtrace's nonzero m
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    reason = vllm_skip_reason()
-    if reason:
-        pytest.skip(reason)
     base = tmp_path_factory.mktemp("eagle")
     draft = write_tiny_model(base / "eagle-head", DRAFT)
-    srv = VllmServer(args=["--block-size", str(BS), "--enable-prefix-caching", "--enable-prompt-tokens-details",
-                           "--max-num-batched-tokens", "256", "--max-model-len", "2048",
-                           "--speculative-config", json.dumps({**SPEC, "model": str(draft)})],
-                     port=free_port(8300, 8349), env={"VLLM_PLUGINS": ""}, workdir=base / "server")
-    srv.start(timeout=600)
-    try:
+    spec = json.dumps({**SPEC, "model": str(draft)})
+    with served(base, prefix_caching("--speculative-config", spec, block=BS)) as srv:
         yield scenario(srv, base)
-    finally:
-        srv.stop()
 
 
 def scenario(srv, base: Path) -> dict:

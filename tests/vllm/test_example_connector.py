@@ -20,9 +20,9 @@ import pytest
 
 from kvtrace.dataset.reader import Dataset
 from kvtrace.demo import workload
-from kvtrace.demo.server import TINY_LLAMA, VllmServer
+from kvtrace.demo.server import TINY_LLAMA
 from tests import helpers
-from tests.vllm.conftest import free_port, vllm_skip_reason
+from tests.vllm.conftest import prefix_caching, served
 from tests.vllm.test_hook import settled_metrics
 
 pytestmark = pytest.mark.root
@@ -37,23 +37,13 @@ BLOCK_BYTES = (2 * M["num_hidden_layers"] * BLOCK * M["num_key_value_heads"]
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    reason = vllm_skip_reason()
-    if reason:
-        pytest.skip(reason)
     base = tmp_path_factory.mktemp("example-connector")
     store = base / "kv"
     cfg = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
            "kv_connector_extra_config": {"shared_storage_path": str(store)}}
-    srv = VllmServer(args=["--block-size", str(BLOCK), "--enable-prefix-caching", "--enable-prompt-tokens-details",
-                           "--max-num-batched-tokens", "2048", "--max-model-len", "2048",
-                           "--kv-transfer-config", json.dumps(cfg)],
-                     port=free_port(8300, 8349), env={"VLLM_PLUGINS": "", "VLLM_SERVER_DEV_MODE": "1"},
-                     workdir=base / "server")
-    srv.start(timeout=600)
-    try:
+    args = prefix_caching("--kv-transfer-config", json.dumps(cfg), block=BLOCK, budget=2048)
+    with served(base, args, env={"VLLM_SERVER_DEV_MODE": "1"}) as srv:
         yield scenario(srv, base, store)
-    finally:
-        srv.stop()
 
 
 def scenario(srv, base: Path, store: Path) -> dict:

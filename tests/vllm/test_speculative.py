@@ -16,9 +16,8 @@ import pytest
 
 from kvtrace.dataset.reader import Dataset
 from kvtrace.demo import workload
-from kvtrace.demo.server import VllmServer
 from tests import helpers
-from tests.vllm.conftest import free_port, vllm_skip_reason
+from tests.vllm.conftest import prefix_caching, served
 from tests.vllm.test_hook import settled_metrics
 
 pytestmark = pytest.mark.root
@@ -30,19 +29,9 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    reason = vllm_skip_reason()
-    if reason:
-        pytest.skip(reason)
     base = tmp_path_factory.mktemp("speculative")
-    srv = VllmServer(args=["--block-size", "32", "--enable-prefix-caching", "--enable-prompt-tokens-details",
-                           "--max-num-batched-tokens", "256", "--max-model-len", "2048",
-                           "--speculative-config", json.dumps(SPEC)],
-                     port=free_port(8300, 8349), env={"VLLM_PLUGINS": ""}, workdir=base / "server")
-    srv.start(timeout=600)
-    try:
+    with served(base, prefix_caching("--speculative-config", json.dumps(SPEC))) as srv:
         yield scenario(srv, base)
-    finally:
-        srv.stop()
 
 
 def scenario(srv, base: Path) -> dict:

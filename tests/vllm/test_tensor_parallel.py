@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtrace.demo.server import TINY_LLAMA, VllmServer
-from tests.vllm.conftest import free_port, vllm_skip_reason
+from kvtrace.demo.server import TINY_LLAMA
+from tests.vllm.conftest import prefix_caching, served
 from tests.vllm.test_example_connector import scenario as two_rounds
 
 pytestmark = pytest.mark.root
@@ -28,26 +28,16 @@ RANK_BLOCK_BYTES = (2 * M["num_hidden_layers"] * BLOCK * (M["num_key_value_heads
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    reason = vllm_skip_reason()
-    if reason:
-        pytest.skip(reason)
     base = tmp_path_factory.mktemp("tensor-parallel")
     store = base / "kv"
     cfg = {"kv_connector": "KvtraceFileConnector", "kv_role": "kv_both",
            "kv_connector_module_path": "kvtrace.hook.vllm.fileconnector",
            "kv_connector_extra_config": {"path": str(store)}}
-    srv = VllmServer(args=["--block-size", str(BLOCK), "--enable-prefix-caching", "--enable-prompt-tokens-details",
-                           "--max-num-batched-tokens", "256", "--max-model-len", "2048",
-                           "--num-gpu-blocks-override", "122", "--tensor-parallel-size", str(TP),
-                           "--kv-transfer-config", json.dumps(cfg)],
-                     port=free_port(8300, 8349),
-                     env={"VLLM_PLUGINS": "", "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
-                     workdir=base / "server")
-    srv.start(timeout=900)
-    try:
+    args = prefix_caching("--num-gpu-blocks-override", "122", "--tensor-parallel-size", str(TP),
+                          "--kv-transfer-config", json.dumps(cfg), block=BLOCK)
+    with served(base, args, env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+                timeout=900) as srv:
         yield scenario(srv, base, store)
-    finally:
-        srv.stop()
 
 
 def scenario(srv, base: Path, store: Path) -> dict:

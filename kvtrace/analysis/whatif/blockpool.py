@@ -180,10 +180,15 @@ class BlockPool(CacheModel):
         k0 = -(-tokens // self.B) - len(r.blocks)
         if k0 > len(self.queue):
             return False
-        if k0 <= 0:
-            return True
+        if k0 > 0:
+            r.blocks.extend(self._pop(k0))
+        return True
+
+    def _pop(self, n: int) -> list:
+        """n blocks from the free queue's head, each held once; one that holds a hash is evicted."""
         bhash, cached, head, ref = self.bhash, self.cached, self.head, self.ref
-        for bid in self.queue.pop(k0):
+        out = self.queue.pop(n)
+        for bid in out:
             k = bhash[bid]
             if k is not None:
                 d = cached[k]
@@ -196,8 +201,7 @@ class BlockPool(CacheModel):
                 bhash[bid] = None
                 self.stats["evictions"] += 1
             ref[bid] = 1
-            r.blocks.append(bid)
-        return True
+        return out
 
     def _hash_full(self, r, tokens: int, loaded_upto: int = 0) -> None:
         """Hash r's full blocks below `tokens` (vLLM caches them at allocation)."""

@@ -122,25 +122,6 @@ class HybridPool(BlockPool):
                     r.blocks[g].extend(self._pop(n))
         return True
 
-    def _pop(self, n: int) -> list:
-        bhash, cached, head, ref = self.bhash, self.cached, self.head, self.ref
-        out = []
-        for bid in self.queue.pop(n):
-            k = bhash[bid]
-            if k is not None:
-                d = cached[k]
-                if len(d) == 1:
-                    del cached[k]
-                    del head[k]
-                else:
-                    d.remove(bid)
-                    head[k] = d[0]
-                bhash[bid] = None
-                self.stats["evictions"] += 1
-            ref[bid] = 1
-            out.append(bid)
-        return out
-
     def _skip(self, r, g: int) -> None:
         """Free group g's blocks wholly below the window of r's next token."""
         skipped = max(r.computed - self.specs[g].window + 1, 0) // self.B

@@ -46,8 +46,9 @@ def send(sched, now: int) -> int:
             window = getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None) or 0
             layers = len(getattr(g, "layer_names", ()) or ())
             page = int(getattr(spec, "page_size_bytes", 0) or 0) * layers
+            eagle = bool(getattr(m, "use_eagle", False) or getattr(kvm, "use_eagle", False))
             _enqueue(("kv_group", now, gid, kind(spec), bs, int(window), layers, page, hash_block, align, num_blocks,
-                      retention))
+                      retention, eagle))
         except Exception as e:
             T.error(e)
     return len(groups)
