@@ -352,6 +352,7 @@ def test_inject_by_hand(live):
     assert not inject("--remove")["installed"]
     assert not inject("--status")["installed"]
 
+@pytest.mark.long   # a second server: make test-long
 def test_whatif_radix_replay_predicts_another_cache_size(live, tmp_path):
     """`kvtrace whatif` replays the recorded run through its model of SGLang's radix cache at
     6,000 tokens; a real server at --max-total-tokens 6000 given the same workload hits within
