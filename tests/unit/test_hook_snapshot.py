@@ -111,3 +111,34 @@ def test_sglang_a_snapshot_at_the_attach_and_at_each_arrival_none_at_a_departure
     flag.gone(third)
     flag.gone(me)
     assert sglang_step(sched) == [] and not sglang_engine.G.on
+
+
+def test_vllm_groups_and_each_groups_share_of_the_snapshot(flag):
+    """A stand-in hybrid scheduler: group 0 a 64-token sliding window, group 1 full attention.
+    Block 1 is cached in group 1 under hash 5, block 2 in group 0 under hash 5 and (a second
+    key) hash 6: `cached` has every key, `cached_in` each group's."""
+    def key(h: int, g: int) -> bytes:
+        return b"\x00" * 8 + h.to_bytes(8, "big") + g.to_bytes(4, "big")
+
+    blocks = [SimpleNamespace(block_hash=key(5, 1), block_id=1), SimpleNamespace(block_hash=key(5, 0), block_id=2),
+              SimpleNamespace(block_hash=None, block_id=3)]
+    pool = SimpleNamespace(blocks=blocks, cached_block_hashes_by_block={2: [key(5, 0), key(6, 0)]})
+    Spec = type("SlidingWindowSpec", (), {"block_size": 32, "sliding_window": 64, "page_size_bytes": 4096})
+    Full = type("FullAttentionSpec", (), {"block_size": 32, "page_size_bytes": 4096})
+    cfg = SimpleNamespace(num_blocks=100, kv_cache_groups=[SimpleNamespace(kv_cache_spec=Spec(), layer_names=["l0"]),
+                                                           SimpleNamespace(kv_cache_spec=Full(), layer_names=["l1"])])
+    coord = SimpleNamespace(hash_block_size=32, scheduler_block_size=32, retention_interval=0,
+                            single_type_managers=[SimpleNamespace(block_size=32, use_eagle=False)] * 2)
+    sched = SimpleNamespace(requests={}, current_step=3, running=[], waiting=[], block_size=32, kv_cache_config=cfg,
+                            kv_cache_manager=SimpleNamespace(block_pool=pool, coordinator=coord))
+    flag.agent(os.getpid())
+    state.T.next_check = 0
+    engine._schedule_pre(sched)
+    recs = list(state._Q)
+    state._Q.clear()
+    assert [r[2:] for r in recs if r[0] == "kv_group"] == [
+        (0, "sliding_window", 32, 64, 1, 4096, 32, 32, 100, 0, False),
+        (1, "full_attention", 32, 0, 1, 4096, 32, 32, 100, 0, False)]
+    assert [r[4:] for r in recs if r[0] == "cached"] == [(0, 3, [5, 5, 6])]
+    assert [r[2:] for r in recs if r[0] == "cached_in"] == [(0, 0, 2, [5, 6]), (1, 0, 1, [5])]
+    assert [r[0] for r in recs].index("kv_group") < [r[0] for r in recs].index("cached")

@@ -339,21 +339,20 @@ def _snapshot(sched, ngroups: int = 1) -> None:
     try:
         pool = sched.kv_cache_manager.block_pool
         extra = getattr(pool, "cached_block_hashes_by_block", None) or {}
-        from_bytes = int.from_bytes
-        hashes = []
+        keys = []   # every BlockHashWithGroupId a block is cached under
         for b in pool.blocks:
             key = b.block_hash
             if key is not None:
-                hashes.append(from_bytes(key[-12:-4], "big"))
-                for k in extra.get(b.block_id, ()):
-                    if k != key:
-                        hashes.append(from_bytes(k[-12:-4], "big"))
+                keys.append(key)
+                keys.extend(k for k in extra.get(b.block_id, ()) if k != key)
+        from_bytes = int.from_bytes
+        hashes = [from_bytes(k[-12:-4], "big") for k in keys]
         now, step = _monotonic_ns(), sched.current_step
         served = 2 if S.counting else (1 if step > 0 else 0)
         for i in range(0, max(len(hashes), 1), PROMPT_PIECE):
             _enqueue(("cached", now, step, served, i, len(hashes), hashes[i:i + PROMPT_PIECE]))
         if ngroups > 1:
-            groups.snapshot(pool, now)
+            groups.snapshot(keys, hashes, now)
     except Exception as e:
         T.error(e)
 

@@ -74,17 +74,12 @@ def kind(spec) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()[:48]
 
 
-def snapshot(pool, now: int) -> None:
-    """Each group's cached block hashes (KV-event form), as cached_in records."""
+def snapshot(keys: list, hashes: list[int], now: int) -> None:
+    """The `cached` snapshot's keys (BlockHashWithGroupId: the last four bytes are the group) and
+    their KV-event hashes, split by group as cached_in records."""
     by_group: dict[int, list[int]] = {}
-    extra = getattr(pool, "cached_block_hashes_by_block", None) or {}
-    from_bytes = int.from_bytes
-    for b in pool.blocks:
-        key = b.block_hash
-        if key is None:
-            continue
-        for k in (key, *(x for x in extra.get(b.block_id, ()) if x != key)):
-            by_group.setdefault(from_bytes(k[-4:], "big"), []).append(from_bytes(k[-12:-4], "big"))
+    for k, h in zip(keys, hashes):
+        by_group.setdefault(int.from_bytes(k[-4:], "big"), []).append(h)
     for g, hashes in sorted(by_group.items()):
         for i in range(0, len(hashes), PROMPT_PIECE):
             _enqueue(("cached_in", now, g, i, len(hashes), hashes[i:i + PROMPT_PIECE]))
