@@ -232,33 +232,38 @@ class BlockPool(CacheModel):
 
     def free(self, r) -> None:
         """Tail first: blocks with a hash to the back of the free queue (LRU), others to the front."""
-        ref, bhash, queue = self.ref, self.bhash, self.queue
-        first = []
-        if r.distinct:
+        if not r.distinct:
+            self._release(r.blocks)
+        else:
             # a request's blocks at once (no block twice among them)
+            ref, bhash, queue = self.ref, self.bhash, self.queue
             tail = np.fromiter(reversed(r.blocks), np.int64, len(r.blocks))
             ref[tail] -= 1
             freed = tail[ref[tail] == 0]
             hs = list(map(bhash.__getitem__, freed.tolist()))
+            first = []
             if None in hs:
                 freed = freed.tolist()
                 queue.extend(list(compress(freed, map(operator.is_not, hs, repeat(None)))))
                 first = list(compress(freed, map(operator.is_, hs, repeat(None))))
             else:
                 queue.extend(freed)
-        else:
-            for bid in reversed(r.blocks):
-                c = ref[bid] - 1
-                ref[bid] = c
-                if not c:
-                    if bhash[bid] is None:
-                        first.append(bid)
-                    else:
-                        queue.extend([bid])
-        # unhashed blocks to the front, the request's first of them frontmost
-        queue.extend_front(first)
+            queue.extend_front(first)   # unhashed blocks to the front, the request's first of them frontmost
         r.blocks = []
         r.hashed = 0
+
+    def _release(self, bids) -> None:
+        """Blocks let go of, tail first, one at a time: a block no longer held goes to the back
+        of the free queue when it holds a hash, to the front (the first of them frontmost) when not."""
+        ref, bhash, first = self.ref, self.bhash, []
+        for bid in reversed(bids):
+            ref[bid] -= 1
+            if not ref[bid]:
+                if bhash[bid] is None:
+                    first.append(bid)
+                else:
+                    self.queue.extend([bid])
+        self.queue.extend_front(first)
 
     def free_capacity(self) -> int:
         return len(self.queue)

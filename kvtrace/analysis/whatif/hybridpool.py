@@ -132,17 +132,6 @@ class HybridPool(BlockPool):
         blocks[:skipped] = [NULL] * min(skipped, len(blocks))
         self._release(gone)
 
-    def _release(self, bids) -> None:
-        ref, bhash, first = self.ref, self.bhash, []
-        for bid in reversed(bids):
-            ref[bid] -= 1
-            if not ref[bid]:
-                if bhash[bid] is None:
-                    first.append(bid)
-                else:
-                    self.queue.extend([bid])
-        self.queue.extend_front(first)
-
     def _hash_full(self, r, tokens: int, loaded_upto: int = 0) -> None:
         B, bhash, cached, ever = self.B, self.bhash, self.cached, self.ever
         upto = min(tokens, r.num_tokens) // B
