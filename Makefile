@@ -10,7 +10,7 @@ COMPAT_RELEASES := 0.28.0 0.30.0 0.31.0 0.32.0
 VLLM ?= $(COMPAT_RELEASES)
 NEWEST := 0.33.0
 
-.PHONY: setup setup-vllm setup-sglang setup-lmcache setup-nixl setup-engines demo test test-long unit compat lab bench bench-short engines clean
+.PHONY: setup setup-vllm setup-sglang setup-lmcache setup-nixl setup-router setup-engines demo test test-long unit compat lab bench bench-short engines clean
 
 setup:
 	bash scripts/setup-host
@@ -33,7 +33,11 @@ setup-lmcache: setup-vllm
 setup-nixl: setup-vllm
 	bash scripts/setup-nixl
 
-setup-engines: setup-vllm setup-sglang setup-lmcache
+# vllm-router 0.1.17 in its own venv, for the replicas behind a router (tests/fleet; seconds)
+setup-router: setup
+	bash scripts/setup-router
+
+setup-engines: setup-vllm setup-sglang setup-lmcache setup-router
 	bash scripts/setup-vllm-source $(NEWEST)
 
 # Every test but the release matrix (`make compat`) and the long ones (`make test-long`): what CI runs

@@ -65,7 +65,10 @@ COLUMNS: dict[str, list[tuple[str, str, str]]] = {
                      ("step", "step", "I"), ("token_start", "seg_start", "I"), ("token_end", "seg_end", "I"),
                      ("tokens", "tokens", "I"), ("cause", "cause", "S"), ("block_hash", "block_hash", "H"),
                      ("evicted_by", "evicted_by", "S"), ("distance_blocks", "distance_blocks", "I"),
-                     ("distance_ns", "distance_ns", "I")],
+                     ("distance_ns", "distance_ns", "I"), ("other_engine", "other_engine", "I"),
+                     ("elsewhere", "elsewhere", "I")],
+    # the servers a capture traced (several: a fleet's replicas), pid -> server (its port)
+    "servers": [("server", "server", "I"), ("pid", "pid", "I"), ("role", "role", "S"), ("kind", "kind", "S")],
     "block_io": [("ts_ns", "ts_ns", "I"), ("start_ns", "start_ns", "I"), ("pid", "pid", "I"), ("disk", "disk", "S"),
                  ("op", "op", "S"), ("bytes", "bytes", "I"), ("error", "error", "I"), ("queue_ns", "queue_ns", "I"),
                  ("device_ns", "device_ns", "I"), ("latency_ns", "latency_ns", "I"), ("weight", "weight", "I")],

@@ -10,7 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kvtrace.analysis import connector, load, queries, tier
+from kvtrace.analysis import connector, fleet, load, queries, tier
 from kvtrace.analysis.engine import make
 from kvtrace.errors import DatasetError
 from kvtrace.servers import registry
@@ -147,6 +147,9 @@ def build(rows: dict[str, list[dict]], inp: load.Inputs) -> dict:
     rep["server"] = _server(rows, kinds)
     if len(rows["engines"]) > 1:   # several engines (data-parallel ranks, or runs): each its own figures
         rep["engines"] = [{**e, "hit_rate": _ratio(e["hit_tokens"] or 0, e["prompt_tokens"] or 0)} for e in rows["engines"]]
+    fl = fleet.section(rows)
+    if fl is not None:      # several engines: per server, for the fleet, and what routing lost
+        rep["fleet"] = fl
     rep["reuse"] = reuse = _reuse(rows, one)
     pt = reuse["prompt_tokens"]
     rep["chunking"] = _chunking(rows, one, pt)

@@ -17,6 +17,7 @@ import urllib.request
 
 import psutil
 
+from kvtrace.attach import serverset
 from kvtrace.capture import fdopen
 from kvtrace.host import netns
 from kvtrace.servers import discover as found
@@ -122,6 +123,7 @@ class ServerWatch:
                 self.pipeline.pids.append(pid)
         old = self.server
         self.server, self.created, self.state = new, _create_time(new.pid), "attached"
+        self.pipeline.writer.add("servers", serverset.table([new]))
         injected = []
         if self.reinject is not None:
             self.injection = self.reinject(new)

@@ -49,7 +49,7 @@ class Capture:
     pids: list[int]
     out: str
     command: list[str] = field(default_factory=list)
-    server: object | None = None     # kvtrace.servers.info.ServerInfo
+    servers: list = field(default_factory=list)   # kvtrace.servers.info.ServerInfo: one, or a host's several
     duration: float | None = None
     flush_interval: float = 1.0
     sampling: object = "auto"
@@ -74,9 +74,12 @@ def run(cap: Capture, echo) -> tuple[object, str]:
     from kvtrace.attach.pipeline import Pipeline  # lazy: start-up cost: the CLI imports attach's options for every command
     from kvtrace.attach.streams import start_vllm_streams  # lazy: start-up cost: the CLI imports attach's options for every command
 
-    plan, writer, server = cap.plan, cap.writer, cap.server
-    if server is not None:   # the run row names the server discovery found (none: null)
-        writer.state_server(server.kind, server.version)
+    from kvtrace.attach import serverset  # lazy: start-up cost: the CLI imports attach's options for every command
+
+    plan, writer, servers = cap.plan, cap.writer, cap.servers
+    if servers:   # the run row names the server kind and version discovery found (none, or differing: null)
+        writer.state_server(*serverset.stated(servers))
+        writer.add("servers", serverset.table(servers))
     if cap.tiers:
         from kvtrace.attach.tiers import table  # lazy: start-up cost: the CLI imports attach's options for every command
 
@@ -105,9 +108,10 @@ def run(cap: Capture, echo) -> tuple[object, str]:
         for name, why in plan.skipped.items():
             if why != "not selected":
                 echo(f"kvtrace: probe {name} skipped: {why}")
-        for sidecar in start_vllm_streams(server, cap.kv_events, cap.kv_replay, cap.metrics_url,
-                                          cap.metrics_interval, echo=echo, pids=pids):
-            pipeline.add_sidecar(sidecar)
+        for server in servers or [None]:
+            for sidecar in start_vllm_streams(server, cap.kv_events, cap.kv_replay, cap.metrics_url,
+                                              cap.metrics_interval, echo=echo, pids=pids):
+                pipeline.add_sidecar(serverset.Tagged(sidecar, server.port if server is not None else 0))
         if cap.tiers:
             from kvtrace.attach.tiers import scrapers  # lazy: start-up cost: the CLI imports attach's options for every command
 
@@ -120,7 +124,7 @@ def run(cap: Capture, echo) -> tuple[object, str]:
         if gated:
             gated.release()
         stop = Stop(cap.duration)
-        reason = _loop(cap, source, pipeline, server, stop, gated, echo)
+        reason = _loop(cap, source, pipeline, servers, stop, gated, echo)
         pipeline.finish()
     finally:
         for sidecar in pipeline.sidecars if pipeline is not None else ():
@@ -163,25 +167,38 @@ def _flag(usermark: bool, echo) -> AgentFlag | None:
         return None
 
 
-def _loop(cap: Capture, source, pipeline, server, stop: Stop, gated, echo) -> str:
-    """Flush every ``flush_interval`` until ``stop`` says why; then take the hook out."""
+def _inject(cap: Capture, server, usermark: bool, echo, flag):
     from kvtrace.inject.session import inject_hook  # lazy: start-up cost: the CLI imports attach's options for every command
 
+    return inject_hook(server, cap.inject, usermark, echo, flag, checked=_verdict(server, cap))
+
+
+def _watches(cap: Capture, servers: list, injections: list, source, pipeline, echo, flag):
+    """One restart watch per server that listens on a port (kvtrace.attach.restart), as one."""
+    from kvtrace.attach.restart import ServerWatch  # lazy: start-up cost: the CLI imports attach's options for every command
+    from kvtrace.attach.serverset import Watches  # lazy: start-up cost: the CLI imports attach's options for every command
+
+    watches = []
+    for server, injection in zip(servers, injections):
+        if server.port is None:
+            watches.append(None)
+            continue
+        reinject = (lambda new: _inject(cap, new, True, echo, flag)) if injection is not None else None
+        w = ServerWatch(server, cap.on_restart or "exit", source, pipeline, reinject=reinject, echo=echo, out=cap.out)
+        pipeline.add_sidecar(w)
+        watches.append(w)
+    return Watches(watches) if any(watches) else None
+
+
+def _loop(cap: Capture, source, pipeline, servers: list, stop: Stop, gated, echo) -> str:
+    """Flush every ``flush_interval`` until ``stop`` says why; then take the hooks out."""
     status = StatusLine(quiet=cap.quiet)
     usermark = "usermark" in cap.plan.attached
     flag = _flag(usermark, echo)
     usermark = flag is not None
-    injection = inject_hook(server, cap.inject, usermark, echo, flag, checked=_verdict(server, cap))
+    injections = [_inject(cap, server, usermark, echo, flag) for server in servers]
     tier_hooks = _tier_hooks(cap, usermark, echo, flag)
-    watch = None
-    if server is not None and server.port is not None:
-        from kvtrace.attach.restart import ServerWatch  # lazy: start-up cost: the CLI imports attach's options for every command
-
-        reinject = ((lambda new: inject_hook(new, cap.inject, True, echo, flag, checked=_verdict(new, cap)))
-                    if injection is not None else None)
-        watch = ServerWatch(server, cap.on_restart or "exit", source, pipeline, reinject=reinject,
-                            echo=echo, out=cap.out)
-        pipeline.add_sidecar(watch)
+    watch = _watches(cap, servers, injections, source, pipeline, echo, flag)
     next_flush = time.monotonic() + cap.flush_interval
     try:
         while not stop.check(source, watch):
@@ -199,13 +216,14 @@ def _loop(cap: Capture, source, pipeline, server, stop: Stop, gated, echo) -> st
         status.done()
         raise
     finally:   # also when writing failed: the server must not keep a hook for a dead capture
-        if watch is not None and watch.injection is not None:
-            injection = watch.injection   # the server was restarted: the hook is in its new processes
+        if watch is not None:   # a restarted server: the hook is in its new processes
+            injections = [new or old for new, old in zip(watch.injections(), injections)]
         if tier_hooks is not None:
             tier_hooks.uninstall()
-        if injection is not None or tier_hooks is not None:
+        for injection in injections:
             if injection is not None:
                 injection.uninstall()  # the hook flushes its last records on the way out
+        if any(i is not None for i in injections) or tier_hooks is not None:
             time.sleep(0.2)
         if flag:
             flag.__exit__(None, None, None)

@@ -10,7 +10,7 @@ from kvtrace.dataset.writer import DatasetWriter
 from kvtrace.errors import PrivilegeError, UsageError
 from kvtrace.attach import fabric, tiers
 from kvtrace.host import privileges, tracefs
-from kvtrace.attach.select import choose_server, server_of
+from kvtrace.attach.select import choose_servers, server_of
 
 
 @click.command("attach", context_settings={"ignore_unknown_options": False})
@@ -32,7 +32,10 @@ from kvtrace.attach.select import choose_server, server_of
                    "buffer overflows and stops once it keeps up; off never samples (losses are counted); N keeps 1 in N. "
                    "The *_agg tables count every event in the kernel either way.")
 @click.option("--raw-out", type=click.Path(dir_okay=False), default=None, help="Also keep the raw ring-buffer records in this file (for bug reports and decoder tests).")
-@click.option("--port", type=int, default=None, help="Trace the vLLM server listening on this port (API server, EngineCore, Workers, and the KV tier server its connector reaches).")
+@click.option("--port", "ports", type=int, multiple=True,
+              help="Trace the vLLM or SGLang server listening on this port (API server, EngineCore, Workers, and the KV "
+                   "tier server its connector reaches).  Repeatable: several servers in one capture (a fleet's replicas).")
+@click.option("--all", "all_servers", is_flag=True, help="Trace every vLLM and SGLang server found on this host.")
 @click.option("--yes", is_flag=True, help="Without --pid or a command: attach to the only vLLM server found.")
 @click.option("--kv-events", "kv_events", default=None, metavar="ENDPOINT", help="vLLM KV-event endpoint as given to vLLM's --kv-events-config (default: from the discovered server).")
 @click.option("--kv-replay", "kv_replay", default=None, metavar="ENDPOINT", help="vLLM KV-event replay endpoint, with --kv-events.")
@@ -48,7 +51,8 @@ from kvtrace.attach.select import choose_server, server_of
                    "or follow (wait for a vLLM server on the same port, trace its new processes, inject the hook again).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @fabric.options
-def command(pids, out, duration, probe_names, no_writes, skip_fds, ringbuf_pages, flush_interval, quiet, sampling, raw_out, port, yes,
+def command(pids, out, duration, probe_names, no_writes, skip_fds, ringbuf_pages, flush_interval, quiet, sampling, raw_out, ports,
+            all_servers, yes,
             kv_events, kv_replay, metrics_url, metrics_interval, otlp, otlp_protocol, inject, on_restart, command) -> int:
     """Attach kernel probes to processes and record their I/O.
 
@@ -61,16 +65,19 @@ def command(pids, out, duration, probe_names, no_writes, skip_fds, ringbuf_pages
 
     sampling = agg.parse_mode(sampling)
     _check_options(otlp, otlp_protocol, kv_events, kv_replay, ringbuf_pages)
-    server, pids = _targets(pids, command, port, yes)
-    found_tiers = tiers.follow(server, echo=lambda m: click.echo(m, err=True))
+    servers, pids = _targets(pids, command, ports, all_servers, yes)
+    if len(servers) > 1 and (kv_events or metrics_url):
+        raise UsageError("--kv-events and --metrics-url name one server's streams: with several servers each one's "
+                         "are found by discovery (leave them out)")
+    found_tiers = [t for s in servers for t in tiers.follow(s, echo=lambda m: click.echo(m, err=True))]
     pids = tuple(dict.fromkeys([*pids, *(p for t in found_tiers for p in t.pids)]))
-    if on_restart is not None and server is None:
+    if on_restart is not None and not servers:
         raise UsageError("--on-restart applies to a vLLM server: use it with --port, --yes, or --pid of a vLLM server")
     _check_privileges()
     writer, pids = _start_dataset(out, pids, raw_out)
     plan = program.plan(list(probe_names) or None, ringbuf_pages=ringbuf_pages, trace_writes=not no_writes,
                         skip_fds=skip_fds)
-    cap = session.Capture(plan, writer, pids, out, list(command), server, duration, flush_interval, sampling, raw_out,
+    cap = session.Capture(plan, writer, pids, out, list(command), servers, duration, flush_interval, sampling, raw_out,
                           otlp, otlp_protocol, kv_events, kv_replay, metrics_url, metrics_interval, inject,
                           on_restart, quiet, found_tiers)
     pipeline, reason = session.run(cap, echo=lambda m: click.echo(m, err=True))
@@ -90,19 +97,20 @@ def _check_options(otlp, otlp_protocol, kv_events, kv_replay, ringbuf_pages) -> 
         raise UsageError("--ringbuf-pages must be a power of two (e.g. 1024)")
 
 
-def _targets(pids, command, port, yes):
-    """(the vLLM server traced or None, the pids to trace)."""
-    server = None
+def _targets(pids, command, ports, all_servers, yes):
+    """(the servers traced: none, one or several, the pids to trace)."""
+    servers = []
     if not pids and not command:
-        server = choose_server(port, yes)
-        pids = tuple(server.pids)
-    elif port is not None:
-        raise UsageError("--port picks a discovered vLLM server: use it without --pid or a command")
+        servers = choose_servers(list(ports), all_servers, yes)
+        pids = tuple(p for s in servers for p in s.pids)
+    elif ports or all_servers:
+        raise UsageError("--port and --all pick discovered servers: use them without --pid or a command")
     elif pids and not command:
         server = server_of(pids)  # a pid of a vLLM server picks that whole server
         if server is not None:
+            servers = [server]
             pids = tuple(dict.fromkeys([*pids, *server.pids]))
-    return server, pids
+    return servers, pids
 
 
 def _check_privileges() -> None:

@@ -92,6 +92,7 @@ class Segment:
     computing: str = ""          # miss_inflight: the running request computing it
     other_engine: int = 0        # miss_other_engine: an engine (pid) that held it
     group: int = 0               # miss_group: the KV cache group whose rule cut the hit
+    elsewhere: int = 0           # the admission's longest cached prefix in another engine of the run (tokens)
 
 
 @dataclass
@@ -247,10 +248,12 @@ class CacheReplay:
         skipped, keyed = e.lookups.get(r, {}).get(attempt, (False, False))
         segs = [(0, hit_l, "hit_local", {}), (hit_l, hit_l + hit_x, "hit_external", {})]
         hy = None
+        best, elsewhere = 0, 0
         if skipped:
             segs.append((hit_l + hit_x, total, "miss_not_looked_up", {}))
         else:
             top = bs * ((total - 1) // bs) if total else 0   # tokens vLLM can hit at most
+            best, elsewhere = self._longest_elsewhere(pid, chain, top // bs, bs)
             hy = e.hybrid.cut(chain, top // bs, bs) if e.hybrid is not None and e.hybrid.active else None
             first_cause = None
             for i in range((hit_l + hit_x) // bs, top // bs):
@@ -265,14 +268,14 @@ class CacheReplay:
                     first_cause = cause if cause != _BREAK else "miss_unseen"
                 if cause == _BREAK:
                     cause, detail = first_cause, {}
-                other = self._held_elsewhere(pid, chain.get(i)) if cause in _OTHER_ENGINE_WOULD_SERVE else 0
+                other = self._held_elsewhere(pid, chain.get(i), best) if cause in _OTHER_ENGINE_WOULD_SERVE else 0
                 if other:
                     cause, detail = "miss_other_engine", {"block_hash": chain[i], "other_engine": other}
                 elif cause in _TIER_WOULD_SERVE and chain.get(i) in e.tier_partial:
                     cause, detail = "miss_tier_partial", {"block_hash": chain[i]}
                 segs.append((i * bs, (i + 1) * bs, cause, detail))
             segs.append((max(top, hit_l + hit_x), total, "miss_tail", {}))
-        self._emit(pid, r, attempt, int(a["step"]), segs)
+        self._emit(pid, r, attempt, int(a["step"]), segs, elsewhere)
         if hy is not None:
             e.hybrid.admit(r, total, hy, hit_l + hit_x)
         for i in range((hit_l + hit_x) // bs):   # what hit is cached (loaded blocks too)
@@ -304,11 +307,28 @@ class CacheReplay:
             return "miss_unseen", {}
         return "miss_cold", {}
 
-    def _held_elsewhere(self, pid: int, h) -> int:
-        """Another engine of the run whose cache holds block h now (its pid), else 0."""
+    def _held_elsewhere(self, pid: int, h, prefer: int = 0) -> int:
+        """Another engine of the run whose cache holds block h now (its pid; ``prefer`` when it
+        does: the one with the longest prefix), else 0."""
         if h is None or len(self.engines) < 2:
             return 0
+        if prefer and h in self.engines[prefer].present:
+            return prefer
         return next((p for p, o in self.engines.items() if p != pid and h in o.present), 0)
+
+    def _longest_elsewhere(self, pid: int, chain: dict, blocks: int, bs: int) -> tuple[int, int]:
+        """(the other engine holding the longest prefix of this chain now, its tokens), or (0, 0):
+        what the admission would have hit had it been sent there (the replicas behind a router)."""
+        best, n_best = 0, 0
+        for p, o in self.engines.items():
+            if p == pid or o.block_size != self.engines[pid].block_size:
+                continue
+            n = 0
+            while n < blocks and chain.get(n) in o.present:
+                n += 1
+            if n > n_best:
+                best, n_best = p, n
+        return best, n_best * bs
 
     def chunk_causes(self, pid: int, request: str, attempt: int, start: int, end: int) -> dict[str, int]:
         """Tokens [start, end) of an admission's chunk by miss cause (the misses it computed)."""
@@ -318,11 +338,13 @@ class CacheReplay:
                 out[s.cause] += max(min(s.end, end) - max(s.start, start), 0)
         return out
 
-    def _emit(self, pid: int, r: str, attempt: int, step: int, segs: list) -> None:
+    def _emit(self, pid: int, r: str, attempt: int, step: int, segs: list, elsewhere: int = 0) -> None:
         mine = self.kept.setdefault((pid, r), {}).setdefault(attempt, [])
         if len(self.kept) > KEEP:
             self.kept.popitem(last=False)
         self._emit_into(mine, pid, r, attempt, step, segs, self.engines[pid].block_size == 1)
+        for seg in mine:
+            seg.elsewhere = elsewhere
         self.segments.extend(mine)
 
     def _emit_into(self, out: list, pid: int, r: str, attempt: int, step: int, segs: list,
@@ -475,12 +497,12 @@ def table_rows(segments) -> dict[str, list]:
     """The token_causes columns (docs/schema.md) of these segments."""
     cols = {k: [] for k in ("engine_pid", "request", "attempt", "step", "token_start", "token_end", "tokens", "cause",
                             "block_hash", "evict_ns", "evicted_by", "distance_blocks", "distance_ns", "computing",
-                            "other_engine", "group")}
+                            "other_engine", "group", "elsewhere")}
     for s in segments:
         for k, v in (("engine_pid", s.engine_pid), ("request", s.request), ("attempt", s.attempt), ("step", s.step),
                      ("token_start", s.start), ("token_end", s.end), ("tokens", s.end - s.start), ("cause", s.cause),
                      ("block_hash", s.block_hash), ("evict_ns", s.evict_ns), ("evicted_by", s.evicted_by),
                      ("distance_blocks", s.distance_blocks), ("distance_ns", s.distance_ns), ("computing", s.computing),
-                     ("other_engine", s.other_engine), ("group", s.group)):
+                     ("other_engine", s.other_engine), ("group", s.group), ("elsewhere", s.elsewhere)):
             cols[k].append(v)
     return cols

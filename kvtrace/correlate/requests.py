@@ -129,6 +129,7 @@ REQUEST_SCHEMA = pa.schema([
     *[(c, pa.uint32()) for c in MISSES], ("readmit_recomputed_tokens", pa.uint32()),
     ("kv_connector", pa.string()), ("connector_load_tokens", pa.uint32()), ("connector_load_bytes", pa.uint64()),
     ("connector_load_wait_ns", pa.int64()), ("connector_load_failed", pa.uint32()),
+    ("cached_elsewhere", pa.uint32()),
 ])
 
 
@@ -203,7 +204,8 @@ def _causes(a: Acc) -> dict:
     by = causes_of(a.segments)
     first = by.get(0, {})
     again = sum(v for att, d in by.items() if att > 0 for k, v in d.items() if k in MISSES)
-    return {**{c: first.get(c, 0) for c in MISSES}, "readmit_recomputed_tokens": again}
+    elsewhere = max((s.elsewhere for s in a.segments if s.attempt == 0), default=0)
+    return {**{c: first.get(c, 0) for c in MISSES}, "readmit_recomputed_tokens": again, "cached_elsewhere": elsewhere}
 
 
 def requests_table(run: str, accs: list[Acc], rows: list[dict] | None = None) -> pa.Table:

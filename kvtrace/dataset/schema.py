@@ -80,10 +80,18 @@ TABLES: dict[str, pa.Schema] = {
         # stored (kv_cache_report_mode "full" reports reused prefix blocks so): not a new store
         ("extra_keys", s), ("spec_window", i64), ("locality", s), ("ownership", s), ("lookahead_tokens", u32),
         ("reused", b),
+        ("server", u32),   # the port of the server whose stream it is (0: an endpoint given without one)
     ]),
     # The traced server's Prometheus /metrics, its kind's samples per scrape (kvtrace.servers.metrics).
     "server_metrics": pa.schema([
         ("ts_ns", u64), ("kind", d), ("name", s), ("labels", s), ("value", f64), ("type", s),
+        ("server", u32),   # the port of the server scraped (0: a --metrics-url without one)
+    ]),
+    # The servers a capture traces (one or several: a fleet's replicas on this host), one row per
+    # process of each at the attach and after a restart: the join from any table's pid to its server.
+    "servers": pa.schema([
+        ("ts_ns", u64), ("server", u32), ("kind", d), ("version", s), ("pid", u32), ("role", d),
+        ("api_pid", u32),
     ]),
     # The KV tier servers the traced engine's connectors reach (kvtrace.servers.tiers), found at
     # attach and traced with it: one row each (address: the host its connector is given; storage: its
@@ -189,6 +197,9 @@ TABLES: dict[str, pa.Schema] = {
         # tokens and bytes loaded, the wait for its async loads, its failed loads
         ("kv_connector", s), ("connector_load_tokens", u32), ("connector_load_bytes", u64),
         ("connector_load_wait_ns", i64), ("connector_load_failed", u32),
+        # the longest prompt prefix another engine of the run held at its first admission
+        # (tokens; 0 with one engine): what it would have hit had it been sent there
+        ("cached_elsewhere", u32),
     ]),
     # Every admission's tokens in runs of one cause (kvtrace.correlate.causes): a hit or why it missed.
     "token_causes": pa.schema([
@@ -196,6 +207,7 @@ TABLES: dict[str, pa.Schema] = {
         ("token_end", u32), ("tokens", u32), ("cause", d), ("block_hash", u64), ("evict_ns", u64), ("evicted_by", s),
         ("distance_blocks", u32), ("distance_ns", i64), ("computing", s), ("other_engine", u32),
         ("group", u32),
+        ("elsewhere", u32),   # the admission's longest cached prefix in another engine (tokens)
     ]),
     "chunks": pa.schema([
         ("engine_pid", u32), ("step", u64), ("request", s), ("attempt", u32), ("chunk_index", i32),
@@ -262,6 +274,15 @@ def hook_schema(name: str) -> pa.Schema | None:
         return None
     fields = [(f, WIRE_TYPES[code]) for f, code in spec[1]]
     return pa.schema(fields + [("mark_ns", u64), ("pid", u32), ("tid", u32)])
+
+
+def conform(table: pa.Table, want: pa.Schema) -> pa.Table:
+    """``table`` in the schema ``want``: a column it lacks (one a later version added) is null."""
+    have = set(table.column_names)
+    for f in want:
+        if f.name not in have:
+            table = table.append_column(f.name, pa.nulls(table.num_rows, f.type))
+    return table.select(want.names).cast(want)
 
 
 def with_run(table: pa.Table, run: str) -> pa.Table:

@@ -151,7 +151,8 @@ class DatasetWriter:
     def add(self, name: str, table: pa.Table) -> None:
         if table.num_rows == 0:
             return
-        table = table.cast(schema.TABLES[name]) if name in schema.TABLES else table
+        if name in schema.TABLES:
+            table = schema.conform(table, schema.TABLES[name])
         self.pending.setdefault(name, []).append(table)
         self.rows[name] = self.rows.get(name, 0) + table.num_rows
 

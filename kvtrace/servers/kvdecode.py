@@ -43,7 +43,8 @@ FIELDS = {
 #                  embedding digests) as compact JSON, at most EXTRA_MAX characters
 #   reused         a BlockStored of a (block, group, medium) the stream already stored and did not
 #                  remove: kv_cache_report_mode "full" reports reused prefix blocks so
-SCHEMA = schema.TABLES[TABLE]
+# the stream's own columns: `server` (the port) is added by the capture that knows it (kvtrace.attach.serverset)
+SCHEMA = schema.TABLES[TABLE].remove(schema.TABLES[TABLE].get_field_index("server"))
 COLUMNS = SCHEMA.names
 
 

@@ -27,7 +27,8 @@ TABLE = "server_metrics"
 # ts_ns: CLOCK_MONOTONIC when the scrape's response was complete; kind: the server kind
 # (kvtrace.servers.registry name; null: not known); labels: JSON object, keys sorted; type:
 # counter / gauge / histogram / summary / info / untyped (from # TYPE).
-SCHEMA = schema.TABLES[TABLE]
+# the stream's own columns: `server` (the port) is added by the capture that knows it (kvtrace.attach.serverset)
+SCHEMA = schema.TABLES[TABLE].remove(schema.TABLES[TABLE].get_field_index("server"))
 DEFAULT_DROP_SUFFIXES = ("_created",)
 _SUFFIXES = ("_bucket", "_count", "_sum", "_total", "_created", "_info", "_gcount", "_gsum")
 _NAME0 = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_:")

@@ -15,7 +15,8 @@
 # Environment: KVTRACE_LAB_CACHE (image cache, default /var/cache/kvtrace/lab),
 # KVTRACE_VENV (the venv kvtrace runs from in the guest, default <checkout>/.venv),
 # KVTRACE_LAB_ACCEL (default auto: KVM when it boots the kernel within
-# KVTRACE_LAB_KVM_PROBE seconds, default 20, else TCG), KVTRACE_LAB_MULTIPATH (nvme_core
+# KVTRACE_LAB_KVM_PROBE seconds, default 20, else TCG), KVTRACE_LAB_BOOT_TIMEOUT (180 s) and
+# KVTRACE_LAB_BOOT_TRIES (2: a guest that has not reached its lab script in time is booted again), KVTRACE_LAB_MULTIPATH (nvme_core
 # native multipath, Y as Debian ships it), KVTRACE_LAB_SMP (2), KVTRACE_LAB_MEM (4096 MiB),
 # KVTRACE_LAB_APPEND (more kernel command line), KVTRACE_LAB_QEMU (the QEMU binary),
 # LAB_BLOCKS, LAB_BLOCK_SIZE, LAB_TCP_DELAY_MS, LAB_TCP_LOSS_PCT (passed to the guest).
@@ -28,7 +29,8 @@ venv=${KVTRACE_VENV:-$repo/.venv}
 accel=${KVTRACE_LAB_ACCEL:-auto}
 kvm_probe=${KVTRACE_LAB_KVM_PROBE:-20}
 timeout=${KVTRACE_LAB_TIMEOUT:-1500}
-boot_timeout=${KVTRACE_LAB_BOOT_TIMEOUT:-300}
+boot_timeout=${KVTRACE_LAB_BOOT_TIMEOUT:-180}
+boot_tries=${KVTRACE_LAB_BOOT_TRIES:-2}
 out= keep=0
 while [ $# -gt 0 ]; do
   case $1 in
@@ -131,6 +133,8 @@ if [ -z "$used" ]; then
   start_qemu -accel tcg,thread=multi -cpu max
   used=tcg
 fi
+accel_args=(-accel kvm -cpu host)
+[ "$used" = tcg ] && accel_args=(-accel tcg,thread=multi -cpu max)
 say "QEMU ($used, pid $qemu_pid) booting Debian $krel; console: $out/console.log"
 
 t_boot= t_end= last=
@@ -147,6 +151,15 @@ while kill -0 "$qemu_pid" 2>/dev/null; do
   con | grep -a -q '^LAB-EXIT' && { t_end=$(date +%s.%N); break; }
   if [ -z "$t_boot" ] && [ "$(date +%s)" -gt "$boot_deadline" ]; then
     con | grep -a -q '^LAB-FAIL init' && fail "$(con | grep -a '^LAB-FAIL init' | head -n 1)"
+    if [ "$boot_tries" -gt 1 ]; then   # a guest kernel that stalls in early boot (seen under TCG): once more
+      boot_tries=$((boot_tries - 1))
+      stop_qemu
+      cp "$out/console.log" "$out/console.stalled.log"
+      say "the guest did not reach its lab script within ${boot_timeout}s (console: $out/console.stalled.log); booting it again"
+      start_qemu "${accel_args[@]}"
+      boot_deadline=$(( $(date +%s) + boot_timeout ))
+      continue
+    fi
     fail "boot timeout: the guest did not reach its lab script within ${boot_timeout}s (console: $out/console.log)"
   fi
   [ "$(date +%s)" -gt "$deadline" ] && fail "timeout: the lab did not finish within ${timeout}s"

@@ -163,19 +163,24 @@ def test_attach_chooses_a_server(monkeypatch):
     servers = []
     monkeypatch.setattr(d, "discover", lambda: list(servers))
     with pytest.raises(UsageError, match="no vLLM or SGLang server found.*--pid"):
-        select.choose_server(None, True)
+        select.choose_servers([], False, True)
+    with pytest.raises(UsageError, match=r"no vLLM or SGLang server found \(--all\)"):
+        select.choose_servers([], True, False)
     servers.append(_info(100, 8300))
     with pytest.raises(UsageError, match="found 1 server: pass --yes"):
-        select.choose_server(None, False)
-    assert select.choose_server(None, True).pid == 100
-    assert select.choose_server(8300, False).pid == 100
+        select.choose_servers([], False, False)
+    assert [s.pid for s in select.choose_servers([], False, True)] == [100]
+    assert [s.pid for s in select.choose_servers([8300], False, False)] == [100]
     servers.append(_info(200, 8301))
-    with pytest.raises(UsageError, match=r"found 2 servers: pick one with --port PORT or --pid PID") as e:
-        select.choose_server(None, True)
+    with pytest.raises(UsageError, match=r"found 2 servers: pick them with --port PORT \(repeatable\), --all, or --pid PID") as e:
+        select.choose_servers([], False, True)
     assert e.value.exit_code == 2
-    assert select.choose_server(8301, False).pids == [200, 201, 202]
+    assert select.choose_servers([8301], False, False)[0].pids == [200, 201, 202]
+    # several: each port once, in the order given; every one found
+    assert [s.pid for s in select.choose_servers([8301, 8300, 8301], False, False)] == [200, 100]
+    assert [s.pid for s in select.choose_servers([], True, False)] == [100, 200]
     with pytest.raises(TargetError, match="no vLLM or SGLang server listens on port 8399"):
-        select.choose_server(8399, True)
+        select.choose_servers([8300, 8399], False, True)
 
 
 def test_attach_streams_warn_once_and_go_on(capsys):

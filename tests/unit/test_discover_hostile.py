@@ -228,7 +228,7 @@ def test_a_process_whose_reads_never_return_is_given_up_and_the_rest_found(monke
     rows = json.loads(out.output)
     assert {"pid": stalled, "port": None, "unreadable": why} in rows and rows[0]["unreadable"] is None
     capsys.readouterr()
-    assert select.choose_server(8391, False).pid == server
+    assert select.choose_servers([8391], False, False)[0].pid == server
     assert f"kvtrace: warning: pid {stalled}: unreadable ({why})" in capsys.readouterr().err
 
 

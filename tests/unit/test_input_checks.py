@@ -318,5 +318,5 @@ def test_flush_loop_leaves_the_disk_full_line_to_the_cli():
                           on_restart=None, out="/x")
     said: list[str] = []
     with pytest.raises(OutputError):
-        session._loop(cap, None, Pipeline(), None, Never(), None, said.append)
+        session._loop(cap, None, Pipeline(), [], Never(), None, said.append)
     assert said == []

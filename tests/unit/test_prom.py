@@ -55,7 +55,7 @@ def test_rows_keep_vllm_families_and_drop_created():
                  "vllm:prompt_tokens_by_source_total", "vllm:num_preemptions_total", "vllm:kv_cache_usage_perc"):
         assert want in names
     t = metrics.to_table(cols)
-    assert t.schema == schema.TABLES["server_metrics"]
+    assert t.schema == schema.TABLES["server_metrics"].remove(schema.TABLES["server_metrics"].get_field_index("server"))  # + the port: serverset.Tagged
     assert set(t.column("ts_ns").to_pylist()) == {123}
     i = cols["name"].index("vllm:prompt_tokens_by_source_total")
     assert json.loads(cols["labels"][i]) == {"engine": "0", "model_name": "tinyllama", "source": "local_compute"}

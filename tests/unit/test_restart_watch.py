@@ -17,8 +17,16 @@ NS = types.SimpleNamespace
 
 
 def server(pid, port=8650, engines=(), workers=()):
-    return NS(pid=pid, port=port, engine_pids=list(engines), worker_pids=list(workers),
-              pids=[pid, *engines, *workers], metrics_url=None)
+    return NS(pid=pid, port=port, api_pids=[pid], engine_pids=list(engines), worker_pids=list(workers), other_pids=[],
+              pids=[pid, *engines, *workers], metrics_url=None, kind="vllm", version="0.32.0")
+
+
+class Writer:
+    def __init__(self):
+        self.tables = []
+
+    def add(self, name, table):
+        self.tables.append((name, table.to_pylist()))
 
 
 class Source:
@@ -54,7 +62,7 @@ def test_exit_mode_stops_once_the_api_server_is_gone(procs):
 def test_follow_waits_then_retargets_and_reinjects(procs):
     old_api, old_engine, new_api, new_engine = procs
     said, found, injected = [], [], []
-    source, pipeline = Source(), NS(ctx=DecodeContext(), pids=[old_api.pid, old_engine.pid])
+    source, pipeline = Source(), NS(ctx=DecodeContext(), pids=[old_api.pid, old_engine.pid], writer=Writer())
     new = server(new_api.pid, engines=[new_engine.pid])
 
     def reinject(s):
@@ -75,6 +83,9 @@ def test_follow_waits_then_retargets_and_reinjects(procs):
     assert w.poll() is None and not w.waiting
     assert source.added == [new_api.pid, new_engine.pid] and injected == [new_api.pid]
     assert pipeline.pids == [old_api.pid, old_engine.pid, new_api.pid, new_engine.pid]
+    (name, rows), = pipeline.writer.tables   # the servers table joins the new pids to the port
+    assert name == "servers" and [(r["pid"], r["role"], r["server"], r["api_pid"]) for r in rows] == \
+        [(new_api.pid, "api", 8650, new_api.pid), (new_engine.pid, "engine", 8650, new_api.pid)]
     assert "again after" in said[-1] and f"tracing pid {new_api.pid}" in said[-1] and "injected again in 1" in said[-1]
     (r,) = w.stats()["restarts"]
     assert (r["old_pid"], r["new_pid"], r["reinjected"]) == (old_api.pid, new_api.pid, [new_engine.pid])
@@ -94,3 +105,53 @@ def test_on_restart_needs_a_vllm_server(tmp_path):
     assert len(p.stderr.strip().splitlines()) == 1 and not (tmp_path / "ds").exists()
     p = run_kvtrace("attach", "--on-restart", "sometimes", "--out", str(tmp_path / "ds"), "--", "true")
     assert p.returncode == 2 and "sometimes" in p.stderr
+
+
+def test_several_servers_stop_when_every_one_has_exited(procs):
+    """attach --port A --port B: one server gone does not end the capture; the last one does."""
+    from kvtrace.attach.serverset import Watches
+
+    a, b = procs[0], procs[1]
+    said = []
+    ws = [ServerWatch(server(p.pid, port=port), "exit", Source(), NS(ctx=DecodeContext(), pids=[]),
+                      echo=said.append, every_s=0.0, discover=lambda: []) for p, port in ((a, 8650), (b, 8651))]
+    both = Watches([ws[0], None, ws[1]])   # None: a server with no port to watch
+    assert both.poll() is None
+    a.kill()
+    a.wait()
+    assert both.poll() is None and len(said) == 1 and "port 8650" in said[0]
+    assert both.poll() is None and len(said) == 1   # said once
+    b.kill()
+    b.wait()
+    assert both.poll() == "every traced server exited (vLLM server exited)"
+    assert both.injections() == [None, None, None]
+
+
+def test_stream_rows_name_their_server():
+    """A stream's rows carry the port of the server they came from; its counters stay its own."""
+    import pyarrow as pa
+
+    from kvtrace.attach.serverset import Tagged, stated, table
+
+    class Stream:
+        name = "server_metrics"
+
+        def drain(self):
+            return {"server_metrics": pa.table({"ts_ns": pa.array([1, 2], pa.uint64())})}
+
+        def stats(self):
+            return {"scrapes": 2}
+
+        def lost(self):
+            return 3
+
+    t = Tagged(Stream(), 8123)
+    assert t.drain()["server_metrics"].column("server").to_pylist() == [8123, 8123]
+    assert t.stats() == {"scrapes": 2, "server": 8123} and t.lost() == 3 and t.name == "server_metrics"
+    s1, s2 = server(11, port=8001, engines=[12]), server(21, port=8002, engines=[22])
+    assert table([s1, s2]).select(["server", "pid", "role"]).to_pylist() == [
+        {"server": 8001, "pid": 11, "role": "api"}, {"server": 8001, "pid": 12, "role": "engine"},
+        {"server": 8002, "pid": 21, "role": "api"}, {"server": 8002, "pid": 22, "role": "engine"}]
+    assert stated([s1, s2]) == ("vllm", "0.32.0")
+    s2.version = "0.31.0"
+    assert stated([s1, s2]) == ("vllm", None)

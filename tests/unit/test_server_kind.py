@@ -64,7 +64,7 @@ def scraped(srv, url: str) -> tuple[pa.Table, dict, list[str]]:
 
 def test_the_scraper_writes_the_servers_kind(url):
     t, stats, said = scraped(server("sglang", url), url)
-    assert t.schema == schema.TABLES["server_metrics"]
+    assert t.schema == schema.TABLES["server_metrics"].remove(schema.TABLES["server_metrics"].get_field_index("server"))  # + the port: serverset.Tagged
     assert set(t.column("kind").to_pylist()) == {"sglang"} and stats["kind"] == "sglang"
     assert set(t.column("name").to_pylist()) == {"sglang:cached_tokens_total"}   # its kind's series only
     assert said[0].startswith("kvtrace: SGLang streams: ") and f"server_metrics from {url}" in said[0], said

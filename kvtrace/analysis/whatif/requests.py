@@ -85,9 +85,10 @@ def recorded_requests(inp: load.Inputs, kind: str, prompts: dict, steps: pa.Tabl
             missing_arrival += 1
             arr = st_start.get((k[0], k[1], first_step.get(k, -1)), 0)
         out = out_tokens.get(k) or d["max_out"] or 1
-        reqs.append(Req(k[2], int(arr), int(d["plen"]), int(out), chain))
+        reqs.append(Req(k[2], int(arr), int(d["plen"]), int(out), chain, engine=int(k[1])))
         fs = finish_step.get(k)
         finish_at.append(st_end.get((k[0], k[1], fs - lag)) if fs is not None else None)
+        reqs[-1].finished_at = finish_at[-1] or 0
         t_adm = st_start.get((k[0], k[1], first_step.get(k, -1)))
         admitted.append((t_adm is None, t_adm or 0, first_row.get(k, 0)))
     if missing_arrival:

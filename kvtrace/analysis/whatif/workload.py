@@ -21,6 +21,8 @@ class Req:
     after: int = -1                 # index of the request whose finish triggers it (closed loop)
     gap: int = 0
     rank: int = -1                  # its place in the recorded order of first admissions (-1: unknown)
+    engine: int = 0                 # the engine (pid) that served it in the recording
+    finished_at: int = 0            # when it finished in the recording (0: not known)
     # replay state
     keys: list = field(default_factory=list)
     num_tokens: int = 0
