@@ -174,15 +174,16 @@ echo "$rc" >"$OUT/attach.rc"
 w "$ti/tracing_on" 0
 cat "$ti/trace" >"$OUT/ftrace.txt"
 grep -H overrun "$ti"/per_cpu/cpu*/stats >"$OUT/ftrace.overrun"
-echo 0 >"$ti/events/enable"
-rmdir "$ti"
+# the instance's removal has been seen to hang the guest's kernel (6.1 under TCG) after a
+# capture; the guest is thrown away, so it is tried in the background and never waited for
+( trap - ERR; set +e; echo 0 >"$ti/events/enable"; rmdir "$ti" ) >/dev/null 2>&1 &
 # kvtrace's own failures are the tests' to report (tests/lab/test_lab.py); the lab goes on
 [ "$rc" = 0 ] || echo "kvtrace attach exited $rc: $(grep -v '^ ' "$OUT/attach.stderr" | tail -n 1)"
 
-step teardown
-tc qdisc del dev lo root 2>/dev/null || true
-for m in /lab/mnt/*; do mountpoint -q "$m" && umount "$m"; done
-nvme disconnect -n $NQN_TCP >/dev/null 2>&1 || true
-nvme disconnect -n $NQN_RDMA >/dev/null 2>&1 || true
+step teardown   # bounded: a stuck unmount or disconnect must not keep the results from the host
+timeout 30 tc qdisc del dev lo root 2>/dev/null || true
+for m in /lab/mnt/*; do mountpoint -q "$m" && { timeout 30 umount "$m" || true; }; done
+timeout 30 nvme disconnect -n $NQN_TCP >/dev/null 2>&1 || true
+timeout 30 nvme disconnect -n $NQN_RDMA >/dev/null 2>&1 || true
 step done
 echo ok >"$OUT/ok"
