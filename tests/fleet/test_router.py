@@ -23,6 +23,7 @@ import random
 import subprocess
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -96,13 +97,13 @@ def drive(router: Router, reps: list[VllmServer], out: Path) -> list[dict]:
     with Attached([r.port for r in reps], out, "--metrics-interval", "5", engines=2):
         for i, prompt in enumerate(prompts()):
             before = [completions(r) for r in reps]
-            t0 = time.monotonic_ns()
+            t0 = time.time_ns()   # wall clock, as vLLM stamps its KV-event batches
             resp = post_completion(router.url, "tiny", prompt, f"fleet{i}", max_tokens=2)
             wait_for(lambda: sum(completions(r) for r in reps) == sum(before) + 1, 30, "the access log")
             served = [k for k, r in enumerate(reps) if completions(r) > before[k]]
             sent.append({"prompt": prompt, "t0": t0, "replica": served[0], "port": reps[served[0]].port,
                          "cached": resp["usage"]["prompt_tokens_details"]["cached_tokens"]})
-            time.sleep(0.4)   # the step's KV events reach the subscriber before the next request
+            time.sleep(0.2)
         time.sleep(1.5)
     return sent
 
@@ -120,8 +121,8 @@ def fleet(tmp_path_factory):
     reps = [replica(base, 0, "a"), replica(base, 1, "b")]
     router = None
     try:
-        for r in reps:
-            r.start(timeout=900)
+        with ThreadPoolExecutor(2) as pool:   # both start at once
+            list(pool.map(lambda r: r.start(timeout=900), reps))
         router = Router(base, reps, "round_robin")
         sent = drive(router, reps, base / "ds")
         router.stop()
@@ -161,10 +162,11 @@ def chains(ds: Dataset, sent: list[dict]) -> list[list[int]]:
 
 
 def caches_at(ds: Dataset, port: int, t: int) -> tuple[set, set]:
-    """One replica's cached block hashes, and those it ever stored, from its own KV events
-    received before ``t``."""
+    """One replica's cached block hashes, and those it ever stored, from its own KV events of
+    the engine steps that ended before ``t`` (vLLM's wall-clock stamp of each batch: however
+    late a batch reaches the subscriber)."""
     held, ever = set(), set()
-    rows = sorted((e for e in ds.table("kv_events").to_pylist() if e["server"] == port and e["recv_ns"] < t),
+    rows = sorted((e for e in ds.table("kv_events").to_pylist() if e["server"] == port and e["batch_wall_ns"] < t),
                   key=lambda e: (e["seq"], e["event_idx"], e["block_idx"]))
     for e in rows:
         if e["event"] == "BlockStored":

@@ -413,13 +413,27 @@ def _conn(saddr, sport, daddr, dport) -> str:
 
 
 def test_tcp_retransmits_equal_ftrace(lab):
-    """NVMe/TCP retransmissions (netem drops 1% on lo): kvtrace's equal the kernel's
-    tcp_retransmit_skb records, connection by connection, and the sockets' own count."""
+    """NVMe/TCP retransmissions (netem drops 1% on lo): kvtrace's are the kernel's
+    tcp_retransmit_skb records, connection by connection, and the sockets' own count.
+
+    A retransmission often runs in a softirq; when that softirq interrupts another BPF program
+    on its CPU (one of kvtrace's own syscall programs), the kernel does not run the
+    tracepoint's program, and before Linux 6.7 it does not count that either (ftrace has no
+    such limit).  So every one of ours is the kernel's; the kernel's missing from ours equal
+    the run's kernel_skips where the kernel counts them, and are at most 1 in 10 where it does
+    not (the lab's 6.1 kernel: one CI run missed 1 of 13, in a softirq of `nvme connect`)."""
     ours = Counter(r["conn"] for r in lab.table("tcp_events") if r["event"] == "retransmit")
     kernel = Counter(_conn(k["saddr"], k["sport"], k["daddr"], k["dport"]) for k in lab.ftrace
                      if k["event"] == "tcp_retransmit_skb" and "4420" in (k["sport"], k["dport"]))
     assert sum(kernel.values()) > 0, "netem loss made no retransmission"
-    assert ours == kernel
+    assert not ours - kernel, ours - kernel   # nothing the kernel did not do
+    missed = sum((kernel - ours).values())
+    (run,) = lab.ds.runs()
+    skips = run["kernel_skips"].get("tcp:tcp_retransmit_skb")
+    if skips is not None:
+        assert missed == skips
+    else:
+        assert missed <= max(1, sum(kernel.values()) // 10), (kernel - ours)
     socks = lab.reader["tcp_sockets"]["4420"]
     assert sum(s["retrans_total"] for s in socks) >= sum(kernel.values())
 

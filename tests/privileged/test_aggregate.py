@@ -121,20 +121,25 @@ def test_block_file_and_uring_aggregates_equal_the_raw_rows_and_the_kernel(tmp_p
     (run,) = ds.runs()
     assert run["lost_events"] == {} and run["sampling"]["block_io"]["changes"] == []
     pid = truth["pid"]
-    # block: the maps equal the kernel's own count, the workload, and the raw rows (all kept)
+    # block: the raw rows (all kept) equal the workload and the kernel's own count; the maps,
+    # which count at completion, equal the rows whose completion kvtrace saw.  A completion the
+    # kernel did not run kvtrace's program for leaves its row without latency (docs/schema.md,
+    # block_io): seen once in a CI run (1 of 96), so at most 1 here, never silently
     ba = rows_of(ds.table("block_agg"), pid=pid, disk=disk)
     assert set(ba["op"].cast("string").to_pylist()) == {"R"}
-    assert total(ba, "requests") == 2 * count == after["reads"] - before["reads"]
-    assert total(ba, "bytes") == truth["bytes"] == (after["read_sectors"] - before["read_sectors"]) * 512
     raw = rows_of(ds.table("block_io"), pid=pid, disk=disk)
-    assert raw.num_rows == 2 * count and set(raw["weight"].to_pylist()) == {1}
+    assert raw.num_rows == 2 * count == after["reads"] - before["reads"] and set(raw["weight"].to_pylist()) == {1}
+    assert total(raw, "bytes") == truth["bytes"] == (after["read_sectors"] - before["read_sectors"]) * 512
+    done = raw.filter(pc.is_valid(raw["latency_ns"]))
+    assert raw.num_rows - done.num_rows <= 1
+    assert total(ba, "requests") == done.num_rows and total(ba, "bytes") == total(done, "bytes")
     for agg_col, raw_col in (("latency_sum_ns", "latency_ns"), ("queue_sum_ns", "queue_ns"), ("device_sum_ns", "device_ns")):
-        assert total(ba, agg_col) == total(raw, raw_col), agg_col
+        assert total(ba, agg_col) == total(done, raw_col), agg_col
     hist = Counter()
     for r in rows_of(ds.table("block_agg_hist"), pid=pid, disk=disk).to_pylist():
         hist[r["slot"]] += r["count"]
         assert r["lo_ns"] <= r["hi_ns"] and r["hi_ns"] == (1 << r["slot"]) - 1
-    assert hist == Counter(slot(x) for x in raw["latency_ns"].to_pylist())
+    assert hist == Counter(slot(x) for x in done["latency_ns"].to_pylist())
     # file: the O_DIRECT preadv calls
     rawf = rows_of(ds.table("file_io"), pid=pid, path=loopdev)
     (syscall,) = set(rawf["syscall"].cast("string").to_pylist())

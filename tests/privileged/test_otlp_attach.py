@@ -153,7 +153,10 @@ def phase_of(span) -> str:
     return span.attrs["kvtrace.request.id"].split("-")[1].split("r")[0][1:]
 
 
-@pytest.mark.parametrize("protocol", ["grpc", pytest.param("http", marks=pytest.mark.long)])   # http: make test-long
+# both: make test-long (a real minute of outage each); tests/unit/test_otlp.py has the same
+# outage in process, in every CI run
+@pytest.mark.long
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_backend_down_for_a_minute_then_back(tmp_path, protocol):
     data = tmp_path / "data.bin"
     data.write_bytes(bytes(range(256)) * 16)
