@@ -17,6 +17,8 @@ router matches characters of the prompt's text: the same share within a block).
 """
 from __future__ import annotations
 
+import heapq
+
 from kvtrace.analysis.whatif.driver import Replay
 from kvtrace.analysis.whatif.read import workload
 from kvtrace.analysis.whatif.workload import Req, Workload
@@ -41,10 +43,13 @@ def parse(spec: str) -> tuple[str, float]:
 
 
 def route(policy: str, reqs: list, replicas: int, block: int, threshold: float = THRESHOLD) -> list[int]:
-    """The replica each request (in arrival order) goes to."""
+    """The replica each request (in arrival order) goes to.  A prompt's block hashes are chained
+    (each names its whole prefix), so a replica's tree is the set of hashes sent there."""
     out, trees, ends = [], [set() for _ in range(replicas)], []
+    load = [0] * replicas
     for i, r in enumerate(reqs):
-        load = [sum(1 for j, e in ends if j == k and e > r.arrival) for k in range(replicas)]
+        while ends and ends[0][0] <= r.arrival:   # finished by now: no longer in flight
+            load[heapq.heappop(ends)[1]] -= 1
         least = min(range(replicas), key=lambda k: load[k])
         if policy == "round_robin":
             k = i % replicas
@@ -55,15 +60,16 @@ def route(policy: str, reqs: list, replicas: int, block: int, threshold: float =
             best = max(range(replicas), key=lambda k: match[k])
             k = best if r.prompt_len and match[best] * block / r.prompt_len > threshold else least
         if policy == "cache_aware":
-            trees[k].update(tuple(r.chain[:n]) for n in range(1, len(r.chain) + 1))
+            trees[k].update(r.chain)
         out.append(k)
-        ends.append((k, r.finished_at or r.arrival))
+        load[k] += 1
+        heapq.heappush(ends, (r.finished_at or r.arrival, k))
     return out
 
 
 def _prefix(tree: set, chain: list) -> int:
     n = 0
-    while n < len(chain) and tuple(chain[:n + 1]) in tree:
+    while n < len(chain) and chain[n] in tree:
         n += 1
     return n
 
