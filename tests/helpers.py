@@ -129,7 +129,9 @@ class Attached:
     entry, once the hook is injected in ``engines`` engines (and has read the agent flag, which
     it does once a second); on exit, stopped with SIGINT, which must end it with 0."""
 
-    def __init__(self, port: int | list[int], out: Path, *extra: str, engines: int = 1, timeout: float = 240):
+    def __init__(self, port: int | list[int], out: Path, *extra: str, engines: int = 1, timeout: float = 240,
+                 env: dict | None = None):
+        import os
         import sys
 
         self.out, self.engines, self.timeout = out, engines, timeout
@@ -137,7 +139,7 @@ class Attached:
         ports = [a for p in (port if isinstance(port, list) else [port]) for a in ("--port", str(p))]
         self.proc = subprocess.Popen([sys.executable, "-m", "kvtrace", "attach", "--quiet", *ports,
                                       "--out", str(out), *extra], stderr=open(self.err, "wb"),
-                                     cwd=Path(__file__).resolve().parents[1])
+                                     cwd=Path(__file__).resolve().parents[1], env={**os.environ, **(env or {})})
 
     def injected(self) -> bool:
         assert self.proc.poll() is None, self.err.read_text(errors="replace")[-3000:]

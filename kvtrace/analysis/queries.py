@@ -8,7 +8,7 @@ multi-row result, no engine-specific functions except regexp_extract (same in bo
 """
 from __future__ import annotations
 
-from kvtrace.analysis import connector, fleet, tier
+from kvtrace.analysis import connector, fleet, handover, tier
 
 READS = "('read', 'pread64', 'readv', 'preadv', 'preadv2')"
 STORAGE_PATH = ("path LIKE '/%' AND NOT (path LIKE '/proc/%' OR path LIKE '/sys/%' OR "
@@ -423,4 +423,5 @@ FIGURES: dict[str, str] = {
     # ---- a KV tier's own server: which tier served each prompt token, and each hop's cost ----
     **tier.FIGURES,
     **fleet.FIGURES,
+    **handover.FIGURES,
 }

@@ -13,7 +13,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from kvtrace.analysis import fleet
+from kvtrace.analysis import fleet, handover
 from kvtrace.servers import registry
 
 COLORS = {"compute": "#4e79a7", "recompute": "#9c755f", "storage": "#e15759", "queueing": "#f28e2b",
@@ -205,6 +205,7 @@ def terminal(rep: dict, console: Console | None = None, rows: int = 10, wide: bo
     _header(t, rep)
     _reuse(t, rep, rows)
     fleet.render(t, rep, num, pct, Col)
+    handover.render(t, rep, num, pct, Col)
     _chunking(t, rep)
     _misses(t, rep, rows)
     _timing(t, rep)

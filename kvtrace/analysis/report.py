@@ -10,7 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kvtrace.analysis import connector, fleet, load, queries, tier
+from kvtrace.analysis import connector, fleet, handover, load, queries, tier
 from kvtrace.analysis.engine import make
 from kvtrace.errors import DatasetError
 from kvtrace.servers import registry
@@ -150,6 +150,9 @@ def build(rows: dict[str, list[dict]], inp: load.Inputs) -> dict:
     fl = fleet.section(rows)
     if fl is not None:      # several engines: per server, for the fleet, and what routing lost
         rep["fleet"] = fl
+    ho = handover.section(rows)
+    if ho is not None:      # prefill/decode pairs: the KV handed over, TTFT's parts
+        rep["handover"] = ho
     rep["reuse"] = reuse = _reuse(rows, one)
     pt = reuse["prompt_tokens"]
     rep["chunking"] = _chunking(rows, one, pt)

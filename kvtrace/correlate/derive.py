@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from kvtrace.correlate import pd
 from kvtrace.correlate.causes import table_rows
 from kvtrace.correlate.core import Result, correlate
 from kvtrace.correlate.inputs import OVERLAP_PREFIXES, TABLES_USED
@@ -97,10 +98,23 @@ def _correlate_tables(tables: dict[str, pa.Table], run: str, io_span_bytes: int 
     return res, accs, requests_table(run, accs, rows), traces, rows
 
 
-def correlate_run(root, info: RunInfo, io_span_bytes: int = 1 << 20) -> RunCorrelation:
+def correlate_run(root, info: RunInfo, io_span_bytes: int = 1 << 20, handed: dict | None = None) -> RunCorrelation:
+    """handed: {request: traceparent} for the run's decode requests of prefill/decode pairs
+    (kvtrace.correlate.pd.handoffs): their spans join the prefill request's trace."""
+    tables = load_run(root, info)
+    if handed and "arrive" in tables:
+        tables["arrive"] = _handed(tables["arrive"], handed)
     with no_gc():
-        res, accs, req_tbl, traces, rows = _correlate_tables(load_run(root, info), info.run, io_span_bytes)
+        res, accs, req_tbl, traces, rows = _correlate_tables(tables, info.run, io_span_bytes)
     return RunCorrelation(info, res, req_tbl, accs, traces, rows)
+
+
+def _handed(arrive: pa.Table, handed: dict[str, str]) -> pa.Table:
+    tp = [t or handed.get(r, "") for r, t in zip(arrive["request"].to_pylist(), arrive["traceparent"].to_pylist())]
+    i = arrive.schema.get_field_index("traceparent")
+    return arrive.set_column(i, arrive.schema.field(i), pa.array(tp, arrive.schema.field(i).type))
+
+
 
 
 def derived_tables(rc: RunCorrelation) -> dict[str, pa.Table]:
@@ -169,10 +183,38 @@ def correlate_dataset(root, run: str | None = None, write: bool = True,
         infos = [i for i in infos if i.run == run]
         if not infos:
             raise DatasetError(f"{ds.root} has no run {run}")
-    done = [correlate_run(ds, info) for info in infos]
+    every = runs_of(ds)
+    found = pd.pairs(ds, every)
+    handed = pd.handoffs(found)
+    done = [correlate_run(ds, info, handed=handed.get((info.run, info.host))) for info in infos]
     if write:
         check_shrinking(ds, done, force)
     ds.go_on()
     if not write:
         return [(rc, {}) for rc in done]
-    return [(rc, write_derived(ds, rc)) for rc in done]
+    out = [(rc, write_derived(ds, rc)) for rc in done]
+    if found:
+        write_handovers(ds, every, found, done)
+    return out
+
+
+def write_handovers(ds: Dataset, every: list[RunInfo], found: list, done: list[RunCorrelation]) -> None:
+    """The prefill/decode pairs' handovers table, in each decode run's partition (both sides'
+    requests rows: this pass's, else the derived table already written)."""
+    offsets = {(i.run, i.host): i.clock_offset_ns for i in every}
+    shifts = pd.align(found, offsets)
+    fresh = {(rc.info.run, rc.info.host): rc.requests for rc in done}
+    reqs = {}
+    for i in every:
+        t = fresh.get((i.run, i.host))
+        t = t if t is not None else ds.table("requests", run=i.run, host=i.host, partitions=False)
+        reqs[(i.run, i.host)] = {(r["engine_pid"], r["request"]): r for r in t.select(
+            [c for c in ("engine_pid", "request", "arrival_ns", "first_scheduled_ns", "prefill_end_ns")
+             if c in t.column_names]).to_pylist()}
+    by = {(i.run, i.host): i for i in every}
+    for key, rows in pd.rows(found, shifts, offsets, reqs).items():
+        info = by[key]
+        t = schema.with_run(pa.Table.from_pylist(rows, schema=schema.TABLES["handovers"]), info.run)
+        path = ds.root / "handovers" / f"host={info.host}" / f"date={info.date}" / f"{info.run}.parquet"
+        _write(t, path, {"schema_version": schema.SCHEMA_VERSION, "kvtrace_version": __version__,
+                         "run": info.run, "table": "handovers"}, on_full=ON_FULL)

@@ -209,6 +209,18 @@ TABLES: dict[str, pa.Schema] = {
         ("group", u32),
         ("elsewhere", u32),   # the admission's longest cached prefix in another engine (tokens)
     ]),
+    # A prefill/decode pair (kvtrace.correlate.pd), in the decode run's partition: both sides,
+    # the KV handed over as each side counted it, and the request's times on one timeline (the
+    # reference host's wall clock; clock_shift_ns taken off the decode host's, clock_error_ns its
+    # bound, null when no pair bounds it) with TTFT split into its parts.
+    "handovers": pa.schema([
+        ("d_pid", u32), ("d_request", s), ("p_run", s), ("p_host", s), ("p_pid", u32), ("p_request", s),
+        ("how", s), ("connector", s), ("p_blocks", u32), ("p_bytes", u64), ("d_blocks", u32), ("d_bytes", u64),
+        ("clock_shift_ns", i64), ("clock_error_ns", i64),
+        ("p_arrival_ns", i64), ("p_first_scheduled_ns", i64), ("p_prefill_end_ns", i64), ("d_arrival_ns", i64),
+        ("d_loaded_ns", i64), ("d_first_token_ns", i64), ("queue_ns", i64), ("prefill_ns", i64),
+        ("handoff_ns", i64), ("pull_ns", i64), ("first_decode_ns", i64), ("ttft_ns", i64),
+    ]),
     "chunks": pa.schema([
         ("engine_pid", u32), ("step", u64), ("request", s), ("attempt", u32), ("chunk_index", i32),
         ("token_start", u32), ("token_end", u32), ("tokens", u32), ("prompt_len", u32), ("prefill_len", u32),

@@ -1,7 +1,15 @@
-"""A prefill/decode pair joined by vLLM's NixlConnector (UCX over TCP, CPU buffers), with kvtrace
-attached to both servers: the connector's scheduler side as kvtrace records it, from the generic
-connector records alone (docs/hook.md, records 21-24), checked against the decode server's own
-counters (`vllm:external_prefix_cache_hits_total`, `vllm:nixl_bytes_transferred_sum`).
+"""A prefill/decode pair joined by vLLM's NixlConnector (UCX over TCP, CPU buffers), traced by two
+agents as two hosts' agents would (KVTRACE_HOST prefill-host and decode-host, one dataset), the
+decode host's clock then put 42.5 s ahead: its run's clock_offset_ns (wall - monotonic, read by
+its agent at start) is the one place a host's wall clock enters the rows kvtrace places on one
+timeline, and it is rewritten as a host 42.5 s off would have recorded it.  (libfaketime in the
+agent's process was tried: it makes a sleep interrupted by a signal fail with EINVAL.)
+- the connector's scheduler side as kvtrace records it, from the generic connector records alone
+  (docs/hook.md, records 21-24), checked against the decode server's own counters
+  (`vllm:external_prefix_cache_hits_total`, `vllm:nixl_bytes_transferred_sum`);
+- each request's two sides paired (kvtrace.correlate.pd), the skew recovered within the stated
+  bound, TTFT's parts summing to TTFT and bounded by the client's measured TTFT;
+- one OTLP trace per request across both servers (`kvtrace export`).
 
 Workload: 3 token-id prompts of 700 tokens, each sent as vLLM's toy proxy does: to the prefill
 server with `do_remote_decode` and 1 output token, then to the decode server with the
@@ -19,11 +27,15 @@ import json
 import os
 import random
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
+from kvtrace.analysis.report import analyze
 from kvtrace.dataset.reader import Dataset
 from kvtrace.demo import workload
 from kvtrace.demo.server import TINY_LLAMA, VllmServer, write_tiny_model
@@ -82,23 +94,59 @@ def run(tmp_path_factory):
         p.stop()
 
 
+SKEW = 42.5
+
+
 def scenario(p: VllmServer, d: VllmServer, base: Path) -> dict:
+    """Request i is sent as vLLM's toy proxy sends it: to the prefill server, then to the decode
+    server; requests 0 and 2 with their own ids on each side (paired by prompt), request 1 with one
+    id on both (as a proxy's X-Request-Id).  The client's TTFT: from sending to the prefill server
+    to the decode server's answer of one token."""
     rnd = random.Random(37)
     rows = []
-    with Attached(p.port, base / "p-ds"), Attached(d.port, base / "d-ds"):
+    root = base / "ds"
+    with Attached(p.port, root, env={"KVTRACE_HOST": "prefill-host"}), Attached(d.port, root, env={"KVTRACE_HOST": "decode-host"}):
         for i in range(N):
             prompt = workload.tokens(rnd, PROMPT)
             e0, b0 = counter(d, EXTERNAL), counter(d, NIXL_BYTES)
-            pr = post_completion(p.url, p.model, prompt, f"p{i}", max_tokens=1, kv_transfer_params={
+            pid, did = (f"x{i}", f"x{i}") if i == 1 else (f"p{i}", f"d{i}")
+            t0 = time.monotonic()
+            pr = post_completion(p.url, p.model, prompt, pid, max_tokens=1, kv_transfer_params={
                 "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                 "remote_block_ids": None, "remote_host": None, "remote_port": None})
             ktp = pr["kv_transfer_params"]
-            dr = post_completion(d.url, d.model, prompt, f"d{i}", max_tokens=4, kv_transfer_params=ktp)
+            dr = post_completion(d.url, d.model, prompt, did, max_tokens=1, kv_transfer_params=ktp)
+            ttft = time.monotonic() - t0
             time.sleep(1.5)   # the engine's stats reach /metrics
-            rows.append({"ktp": ktp, "d": dr, "external": counter(d, EXTERNAL) - e0,
+            rows.append({"ktp": ktp, "d": dr, "p": pr, "ttft": ttft, "external": counter(d, EXTERNAL) - e0,
                          "nixl_bytes": counter(d, NIXL_BYTES) - b0})
         time.sleep(1.5)
-    return {"p": Dataset.open(base / "p-ds"), "d": Dataset.open(base / "d-ds"), "rows": rows}
+    skew(root, "decode-host", int(SKEW * 1e9))
+    r = subprocess.run([sys.executable, "-m", "kvtrace", "correlate", str(root), "--force"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ds = Dataset.open(root)
+    return {"p": Hosted(ds, "prefill-host"), "d": Hosted(ds, "decode-host"), "ds": ds, "root": root, "rows": rows}
+
+
+def skew(root: Path, host: str, ns: int) -> None:
+    """The host's runs rows as its agent would have written them with its wall clock ns ahead."""
+    import pyarrow.parquet as pq
+
+    for f in (root / "runs" / f"host={host}").rglob("*.parquet"):
+        t = pq.read_table(f)
+        i = t.schema.get_field_index("clock_offset_ns")
+        col = [v + ns for v in t.column(i).to_pylist()]
+        pq.write_table(t.set_column(i, t.schema.field(i), pa.array(col, t.schema.field(i).type)), f)
+
+
+class Hosted:
+    """One host's partition of the dataset, read as a dataset of its own."""
+
+    def __init__(self, ds: Dataset, host: str):
+        self.ds, self.host = ds, host
+
+    def table(self, name: str):
+        return self.ds.table(name, host=self.host)
 
 
 def name(r: dict) -> str:
@@ -136,4 +184,72 @@ def test_the_prefill_server_holds_each_requests_blocks_until_the_pull(run):
     assert set(sent) == set(fin) and all(sent[r]["t_ns"] > fin[r]["t_ns"] and sent[r]["ok"] for r in fin)
     granted = {name(x): x["t_ns"] for x in run["d"].table("kv_alloc").to_pylist()}
     for r, x in sent.items():
-        assert x["t_ns"] > granted["d" + name(x)[1:]], (r, x["t_ns"], granted)
+        assert x["t_ns"] > granted["d" + name(x)[1:] if name(x)[0] == "p" else name(x)], (r, x["t_ns"], granted)
+
+
+def handovers(run) -> list[dict]:
+    return sorted(run["ds"].table("handovers").to_pylist(), key=lambda h: h["p_arrival_ns"])
+
+
+def test_each_request_is_joined_across_the_two_hosts(run):
+    """Every request's two sides paired: request 1 by its shared id, 0 and 2 by their prompt; the
+    KV handed over as each side counted it: the prefill server's blocks and bytes = the decode
+    server's = the prompt's blocks x the model's bytes per block = what NIXL says it moved."""
+    hs = handovers(run)
+    assert [(name({"request": h["p_request"]}), name({"request": h["d_request"]}), h["how"]) for h in hs] == [
+        ("p0", "d0", "prompt"), ("x1", "x1", "request id"), ("p2", "d2", "prompt")]
+    assert {(h["p_host"], h["host"]) for h in hs} == {("prefill-host", "decode-host")}
+    blocks = -(-PROMPT // BLOCK)
+    for h, r in zip(hs, run["rows"]):
+        assert (h["p_blocks"], h["d_blocks"]) == (blocks, blocks)
+        assert h["p_bytes"] == h["d_bytes"] == blocks * BLOCK_BYTES == r["nixl_bytes"], (h, r)
+
+
+def test_the_skewed_clock_is_recovered_within_its_bound(run):
+    """The decode host's agent ran 42.5 s ahead: the shift kvtrace estimates from the requests
+    that cross the hosts is within its stated error bound of 42.5 s, and the bound is tight (the
+    pair's gaps: the proxy's hop and the pull's notice, well under a second here)."""
+    (shift,) = {h["clock_shift_ns"] for h in handovers(run)}
+    (err,) = {h["clock_error_ns"] for h in handovers(run)}
+    assert err is not None and 0 <= err < 1e9, err
+    assert abs(shift - SKEW * 1e9) <= err, (shift, err)
+    rep = analyze(run["root"])
+    assert rep["handover"]["clocks"][0]["error_s"] == pytest.approx(err / 1e9, abs=1e-6) and rep["handover"]["pairs"] == N
+
+
+def test_ttft_parts_sum_to_ttft_and_the_client_saw_at_least_it(run):
+    """TTFT (the prefill server's arrival to the decode server's first token, on one timeline)
+    = queue + prefill + handoff + pull + first decode, each part not negative beyond the clock
+    bound; it equals the requests rows of each side; the client, which sent to the prefill server
+    before vLLM's arrival stamp and got the answer after the first token, saw at least it (less
+    the clock bound) and at most half a second more (its HTTP round trips)."""
+    hs, rows = handovers(run), run["rows"]
+    req = {(x["host"], x["request"]): x for x in run["ds"].table("requests").to_pylist()}
+    for h, r in zip(hs, rows):
+        parts = [h[k] for k in ("queue_ns", "prefill_ns", "handoff_ns", "pull_ns", "first_decode_ns")]
+        err = h["clock_error_ns"]
+        assert sum(parts) == h["ttft_ns"] and all(p >= -err for p in parts), (parts, err)
+        pq, dq = req[("prefill-host", h["p_request"])], req[("decode-host", h["d_request"])]
+        assert h["prefill_ns"] == pq["prefill_end_ns"] - pq["first_scheduled_ns"]
+        assert h["first_decode_ns"] + h["pull_ns"] == dq["prefill_end_ns"] - dq["arrival_ns"]
+        client = int(r["ttft"] * 1e9)
+        assert h["ttft_ns"] - err <= client <= h["ttft_ns"] + err + 500_000_000, (h["ttft_ns"], client, err)
+
+
+def test_one_otlp_trace_spans_both_servers(run):
+    """`kvtrace export`: each decode request's span is in its prefill request's trace, a child of
+    the prefill request's span; the decode side's requests rows say so (joined_trace)."""
+    from tests.otlp_receiver import Receiver
+
+    with Receiver() as rx:
+        r = subprocess.run([sys.executable, "-m", "kvtrace", "export", str(run["root"]), "--otlp", rx.url("grpc")],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+        spans = list(rx.got.spans)
+    reqs = {s.attrs.get("kvtrace.request.id"): s for s in spans if s.name == "kvtrace.request"}
+    for h in handovers(run):
+        p, d = reqs[h["p_request"]], reqs[h["d_request"]]
+        assert d.trace_id == p.trace_id and d.parent_id == p.span_id, (p, d)
+        assert {s.trace_id for s in spans if s.attrs.get("kvtrace.request.id") == h["d_request"]} == {p.trace_id}
+    dq = {x["request"]: x for x in run["d"].table("requests").to_pylist()}
+    assert all(dq[h["d_request"]]["joined_trace"] for h in handovers(run))
