@@ -72,7 +72,7 @@ COLUMNS: dict[str, list[tuple[str, str, str]]] = {
     "handovers": [(c, c, t) for c, t in (
         ("d_pid", "I"), ("d_request", "S"), ("p_host", "S"), ("p_pid", "I"), ("p_request", "S"), ("how", "S"),
         ("connector", "S"), ("p_blocks", "I"), ("p_bytes", "I"), ("d_blocks", "I"), ("d_bytes", "I"),
-        ("clock_shift_ns", "I"), ("clock_error_ns", "I"), ("queue_ns", "I"), ("prefill_ns", "I"),
+        ("d_transport_calls", "I"), ("d_transport_bytes", "I"), ("clock_shift_ns", "I"), ("clock_error_ns", "I"), ("queue_ns", "I"), ("prefill_ns", "I"),
         ("handoff_ns", "I"), ("pull_ns", "I"), ("first_decode_ns", "I"), ("ttft_ns", "I"))],
     "servers": [("server", "server", "I"), ("pid", "pid", "I"), ("role", "role", "S"), ("kind", "kind", "S")],
     "block_io": [("ts_ns", "ts_ns", "I"), ("start_ns", "start_ns", "I"), ("pid", "pid", "I"), ("disk", "disk", "S"),

@@ -26,10 +26,11 @@ DTYPE = struct_dtype(
         ("pad", "<u4"),
     ]
 )
-# library -> (file name prefixes, [(symbol, BPF function, symbol is a regex)])
+# library -> (file name prefixes, [(symbol, BPF function, symbol is a regex)]); "libucp-": a
+# wheel's renamed copy (auditwheel: libucp-b39b3ed9.so.0.0.0 in nixl-cu12)
 LIBS = {
-    "ucx": (("libucp.so",), [("ucp_put_nbx", "kv_ulib_ucp_put", False), ("ucp_get_nbx", "kv_ulib_ucp_get", False)]),
-    "cufile": (("libcufile.so",), [("cuFileRead", "kv_ulib_cufile_read", False), ("cuFileWrite", "kv_ulib_cufile_write", False)]),
+    "ucx": (("libucp.so", "libucp-"), [("ucp_put_nbx", "kv_ulib_ucp_put", False), ("ucp_get_nbx", "kv_ulib_ucp_get", False)]),
+    "cufile": (("libcufile.so", "libcufile-"), [("cuFileRead", "kv_ulib_cufile_read", False), ("cuFileWrite", "kv_ulib_cufile_write", False)]),
     "nixl": (("libnixl.so",), [(r".*nixlAgent.*postXferReq.*", "kv_ulib_nixl_post", True)]),
 }
 FUNCS = {1: ("ucx", "ucp_put_nbx"), 2: ("ucx", "ucp_get_nbx"), 3: ("cufile", "cuFileRead"), 4: ("cufile", "cuFileWrite"),

@@ -203,6 +203,7 @@ def write_handovers(ds: Dataset, every: list[RunInfo], found: list, done: list[R
     requests rows: this pass's, else the derived table already written)."""
     offsets = {(i.run, i.host): i.clock_offset_ns for i in every}
     shifts = pd.align(found, offsets)
+    pd.transport(ds, every, found)
     fresh = {(rc.info.run, rc.info.host): rc.requests for rc in done}
     reqs = {}
     for i in every:

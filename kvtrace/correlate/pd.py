@@ -51,6 +51,8 @@ class Pair:
     blocks: tuple[int, int] = (0, 0)      # handed over (prefill), loaded (decode)
     nbytes: tuple[int, int] = (0, 0)
     connector: str = ""
+    transport: tuple[int, int] | None = None   # the decode side's transport calls and their bytes
+                                               # in its pull (ulib_calls; None: not traced)
 
 
 @dataclass
@@ -153,6 +155,38 @@ def pairs(ds, infos) -> list[Pair]:
     return out
 
 
+def transport(ds, infos, found: list[Pair]) -> None:
+    """Each pair's transport calls as the decode side's uprobes saw them (`--uprobe ucx|nixl`:
+    ulib_calls of the decode run between its grant and its load done; a call in several pairs'
+    windows goes to the one granted last before it)."""
+    by_run = defaultdict(list)
+    for x in found:
+        if x.d_loaded_ns:
+            by_run[(x.d.run, x.d.host)].append(x)
+    for info in infos:
+        pulls = sorted(by_run.get((info.run, info.host), []), key=lambda x: x.d_alloc_ns)
+        if not pulls:
+            continue
+        calls = ds.table("ulib_calls", run=info.run, host=info.host, partitions=False)
+        if not calls.num_rows:
+            continue
+        acc = {id(x): [0, 0] for x in pulls}
+        starts = [x.d_alloc_ns for x in pulls]
+        for t, b in zip(calls["entry_ns"].to_pylist(), calls["bytes"].to_pylist()):
+            i = _last_le(starts, t)
+            x = next((y for y in reversed(pulls[:i + 1]) if y.d_alloc_ns <= t <= y.d_loaded_ns), None)
+            if x is not None:
+                acc[id(x)][0] += 1
+                acc[id(x)][1] += int(b or 0)
+        for x in pulls:
+            x.transport = tuple(acc[id(x)])
+
+
+def _last_le(xs: list[int], t: int) -> int:
+    import bisect
+    return bisect.bisect_right(xs, t) - 1
+
+
 def _other(p: _Req, d: _Req) -> bool:
     return (p.side.run, p.side.host, p.side.pid) != (d.side.run, d.side.host, d.side.pid)
 
@@ -244,6 +278,8 @@ def rows(found: list[Pair], shifts: dict[str, Shift], offsets: dict[tuple[str, s
         out[(x.d.run, x.d.host)].append({
             "d_pid": x.d.pid, "d_request": x.d.request, "p_run": x.p.run, "p_host": x.p.host, "p_pid": x.p.pid,
             "p_request": x.p.request, "how": x.how, "connector": x.connector, "p_blocks": x.blocks[0],
+            "d_transport_calls": x.transport[0] if x.transport else None,
+            "d_transport_bytes": x.transport[1] if x.transport else None,
             "p_bytes": x.nbytes[0], "d_blocks": x.blocks[1], "d_bytes": x.nbytes[1],
             "clock_shift_ns": (ds_.shift_ns if ds_ else 0) - (ps.shift_ns if ps else 0), "clock_error_ns": err,
             "p_arrival_ns": t[0], "p_first_scheduled_ns": t[1], "p_prefill_end_ns": t[2], "d_arrival_ns": t[3],

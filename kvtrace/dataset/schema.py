@@ -216,7 +216,7 @@ TABLES: dict[str, pa.Schema] = {
     "handovers": pa.schema([
         ("d_pid", u32), ("d_request", s), ("p_run", s), ("p_host", s), ("p_pid", u32), ("p_request", s),
         ("how", s), ("connector", s), ("p_blocks", u32), ("p_bytes", u64), ("d_blocks", u32), ("d_bytes", u64),
-        ("clock_shift_ns", i64), ("clock_error_ns", i64),
+        ("d_transport_calls", u32), ("d_transport_bytes", u64), ("clock_shift_ns", i64), ("clock_error_ns", i64),
         ("p_arrival_ns", i64), ("p_first_scheduled_ns", i64), ("p_prefill_end_ns", i64), ("d_arrival_ns", i64),
         ("d_loaded_ns", i64), ("d_first_token_ns", i64), ("queue_ns", i64), ("prefill_ns", i64),
         ("handoff_ns", i64), ("pull_ns", i64), ("first_decode_ns", i64), ("ttft_ns", i64),

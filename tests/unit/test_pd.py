@@ -106,3 +106,26 @@ def test_the_decode_request_joins_the_prefill_requests_trace(tmp_path):
         trace, _, _ = ids.trace_of("rp", x.p.request, "")
         tp = handed[("rd", "hd")][x.d.request]
         assert ids.parse_traceparent(tp)[:2] == (trace, ids.request_span(trace, x.p.request))
+
+
+def test_the_analyze_section_sums_and_means():
+    """handover.section on two groups' figure rows: 3 + 1 pairs, the parts' means over the 4 timed
+    pairs (ms: queue 40/4, prefill 800/4, ...), their shares of the summed TTFT (1,200 ms)."""
+    from kvtrace.analysis import handover
+
+    def g(run, pairs, by_id, parts, ttft, transport=None):
+        return {"run": run, "p_host": "hp", "connector": "NixlPullConnector", "pairs": pairs, "by_request_id": by_id,
+                "p_blocks": 22 * pairs, "d_blocks": 22 * pairs, "p_bytes": 100 * pairs, "d_bytes": 100 * pairs,
+                "bytes_differ": 0, "transport_calls": transport and transport[0], "transport_bytes": transport and transport[1],
+                "transport_traced": pairs if transport else 0, "clock_shift_ns": 5 * MS, "clock_error_ns": 2 * MS,
+                "unbounded": 0, "untimed": 0, **{f"{p}_ns": v * MS for p, v in zip(handover.PARTS, parts)},
+                "ttft_ns": ttft * MS, "ttft_max_ns": ttft * MS}
+    sec = handover.section({"handovers": [g("rd", 3, 1, (30, 600, 60, 90, 120), 900, (6, 300)),
+                                          g("re", 1, 0, (10, 200, 20, 30, 40), 300)]})
+    assert (sec["pairs"], sec["by_request_id"], sec["by_prompt"]) == (4, 1, 3)
+    assert sec["blocks"] == {"prefill": 88, "decode": 88} and sec["bytes"] == {"prefill": 400, "decode": 400}
+    assert sec["transport"] == {"pairs": 3, "calls": 6, "bytes": 300}
+    assert sec["parts_mean_s"] == {"queue": 0.01, "prefill": 0.2, "handoff": 0.02, "pull": 0.03, "first_decode": 0.04}
+    assert sec["ttft_mean_s"] == 0.3 and sec["parts_share"]["prefill"] == 800 / 1200
+    assert [c["error_s"] for c in sec["clocks"]] == [0.002, 0.002]
+    assert handover.section({"handovers": []}) is None

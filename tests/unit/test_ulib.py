@@ -51,3 +51,10 @@ def test_decode():
     rows = ulib.decode([a.tobytes()], DecodeContext()).to_pylist()
     assert [(r["lib"], r["func"], r["bytes"], r["latency_ns"], r["ret"]) for r in rows] == [
         ("ucx", "ucp_put_nbx", 4096, 50, 0), ("cufile", "cuFileRead", 1 << 20, 1000, -5)]
+
+
+def test_a_wheels_renamed_ucx_is_found():
+    """nixl-cu12's wheel maps UCX as libucp-<hash>.so.0.0.0 (auditwheel's rename)."""
+    prefixes = ulib.LIBS["ucx"][0]
+    assert "libucp-b39b3ed9.so.0.0.0".startswith(prefixes) and "libucp.so.0".startswith(prefixes)
+    assert not "libucs.so.0".startswith(prefixes)
