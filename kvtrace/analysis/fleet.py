@@ -45,17 +45,18 @@ def section(rows: dict[str, list[dict]]) -> dict | None:
     if len(engines) < 2:
         return None
     by: dict = {}
-    for e in engines:
-        key = e["server"] or e["engine_pid"]
-        acc = by.setdefault(key, {"server": e["server"], "engine_pids": []})
+    for e in engines:   # a server is its port in its run: hosts' agents (one run each) may share ports
+        key = (e["run"], e["server"] or e["engine_pid"])
+        acc = by.setdefault(key, {"server": e["server"], "run": e["run"], "engine_pids": []})
         acc["engine_pids"].append(e["engine_pid"])
         for k in ("requests", "prompt_tokens", "hit_tokens", "routed_tokens", *PARTS[:3], "uncaused"):
             acc[k] = acc.get(k, 0) + int(e[k] or 0)
     servers = [_rates(v) for _, v in sorted(by.items())]
-    fleet = _rates({"server": None, "engine_pids": [p for s in servers for p in s["engine_pids"]],
+    fleet = _rates({"server": None, "run": None, "engine_pids": [p for s in servers for p in s["engine_pids"]],
                     **{k: sum(s[k] for s in servers) for k in ("requests", "prompt_tokens", "hit_tokens",
                                                                "routed_tokens", *PARTS[:3], "uncaused")}})
-    return {"servers": servers, "fleet": fleet, "by": "server" if any(s["server"] for s in servers) else "engine"}
+    return {"servers": servers, "fleet": fleet, "by": "server" if any(s["server"] for s in servers) else "engine",
+            "runs": len({s["run"] for s in servers})}
 
 
 def _rates(s: dict) -> dict:
@@ -73,8 +74,10 @@ def render(t, rep: dict, num, pct, Col) -> None:
     f = rep.get("fleet")
     if not f:
         return
-    who = "server (port)" if f["by"] == "server" else "engine pid"
-    rows = [[str(s["server"] or s["engine_pids"][0]), num(s["requests"]), num(s["prompt_tokens"]), pct(s["hit_rate"]),
+    who = ("server (port)" if f["by"] == "server" else "engine pid") if f.get("runs", 1) < 2 else \
+        ("run:port" if f["by"] == "server" else "run:engine pid")
+    runs = f.get("runs", 1) > 1
+    rows = [[(f"{s['run']}:" if runs else "") + str(s["server"] or s["engine_pids"][0]), num(s["requests"]), num(s["prompt_tokens"]), pct(s["hit_rate"]),
              pct(s["routed_hit_rate"]), pct(s["ideal_hit_rate"]), *(pct(s["shortfall"][p]) for p in PARTS)]
             for s in f["servers"]]
     x = f["fleet"]
