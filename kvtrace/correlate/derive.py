@@ -12,6 +12,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from kvtrace.correlate import pd
+from kvtrace.correlate.pd_live import handed_arrive
 from kvtrace.correlate.causes import table_rows
 from kvtrace.correlate.core import Result, correlate
 from kvtrace.correlate.inputs import OVERLAP_PREFIXES, TABLES_USED
@@ -103,16 +104,10 @@ def correlate_run(root, info: RunInfo, io_span_bytes: int = 1 << 20, handed: dic
     (kvtrace.correlate.pd.handoffs): their spans join the prefill request's trace."""
     tables = load_run(root, info)
     if handed and "arrive" in tables:
-        tables["arrive"] = _handed(tables["arrive"], handed)
+        tables["arrive"] = handed_arrive(tables["arrive"], handed)
     with no_gc():
         res, accs, req_tbl, traces, rows = _correlate_tables(tables, info.run, io_span_bytes)
     return RunCorrelation(info, res, req_tbl, accs, traces, rows)
-
-
-def _handed(arrive: pa.Table, handed: dict[str, str]) -> pa.Table:
-    tp = [t or handed.get(r, "") for r, t in zip(arrive["request"].to_pylist(), arrive["traceparent"].to_pylist())]
-    i = arrive.schema.get_field_index("traceparent")
-    return arrive.set_column(i, arrive.schema.field(i), pa.array(tp, arrive.schema.field(i).type))
 
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from kvtrace.correlate.pd_live import LivePairs, handed_arrive
 from kvtrace.correlate.causes import CacheReplay
 from kvtrace.correlate.core import Result, correlate
 from kvtrace.correlate.inputs import OVERLAP_PREFIXES, TABLES_USED
@@ -36,11 +37,15 @@ class LiveCorrelator:
         self.passes = 0
         self.closed: dict[str, Acc] = {}
         self.replay = CacheReplay()   # the prefix cache, kept over passes for the miss causes
+        self.pairs = LivePairs(run)   # prefill/decode pairs of the servers traced together
 
     def wanted(self, name: str) -> bool:
         return name in TABLES_USED or name.startswith(OVERLAP_PREFIXES)
 
     def feed(self, tables: dict[str, pa.Table]) -> None:
+        handed = self.pairs.feed(tables)
+        if handed:      # prefill/decode pairs: the decode requests join the prefill's trace
+            self._hand(handed, tables)
         for name, t in tables.items():
             if t.num_rows == 0 or not self.wanted(name):
                 continue
@@ -48,6 +53,15 @@ class LiveCorrelator:
             old = self.buf.get(name)
             self.buf[name] = t if old is None else pa.concat_tables([old, t], promote_options="default")
         self._bound()
+
+    def _hand(self, handed: dict[str, str], tables: dict[str, pa.Table]) -> None:
+        for where in (tables, self.buf):
+            if where.get("arrive") is not None and where["arrive"].num_rows:
+                where["arrive"] = handed_arrive(where["arrive"], handed)
+        for r, tp in handed.items():
+            a = self.requests.open.get(r)
+            if a is not None and a.arrive is not None and not a.arrive["traceparent"]:
+                a.arrive = {**a.arrive, "traceparent": tp}
 
     def _bound(self) -> None:
         total = sum(t.num_rows for t in self.buf.values())

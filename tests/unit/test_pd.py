@@ -129,3 +129,30 @@ def test_the_analyze_section_sums_and_means():
     assert sec["ttft_mean_s"] == 0.3 and sec["parts_share"]["prefill"] == 800 / 1200
     assert [c["error_s"] for c in sec["clocks"]] == [0.002, 0.002]
     assert handover.section({"handovers": []}) is None
+
+
+def test_while_attached_the_decode_request_joins_the_prefill_trace_too(tmp_path):
+    """One capture of both servers (attach --otlp): the live correlator, fed the prefill side's
+    records and then the decode side's, hands each decode request the traceparent `kvtrace export`
+    gives it (pairs found by the same rules), in the arrive rows it buffers."""
+    from kvtrace.correlate.live import LiveCorrelator
+
+    ds = dataset(tmp_path)
+    (rp,) = [i for i in runs_of(ds) if i.run == "rp"]
+    (rd,) = [i for i in runs_of(ds) if i.run == "rd"]
+    names = ("prompt_blocks", "arrive", "kv_finish", "kv_alloc", "kv_done")
+
+    def tables(info):
+        return {n: ds.table(n, run=info.run, host=info.host, partitions=False) for n in names
+                if ds.files(n, run=info.run, host=info.host)}
+
+    live = LiveCorrelator("rp")       # one capture: one run holds both servers
+    live.feed(tables(rp))
+    live.feed(tables(rd))
+    got = dict(zip(live.buf["arrive"]["request"].to_pylist(), live.buf["arrive"]["traceparent"].to_pylist()))
+    found = pd.pairs(ds, runs_of(ds))
+    for x in found:
+        trace, _, _ = ids.trace_of("rp", x.p.request, "")
+        assert got[x.d.request] == f"00-{trace.hex()}-{ids.request_span(trace, x.p.request).hex()}-01"
+        assert got[x.p.request] == ""
+    assert live.pairs.paired == 3
