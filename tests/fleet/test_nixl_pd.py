@@ -39,14 +39,14 @@ from kvtrace.analysis.report import analyze
 from kvtrace.dataset.reader import Dataset
 from kvtrace.demo import workload
 from kvtrace.demo.server import TINY_LLAMA, VllmServer, write_tiny_model
-from tests.helpers import Attached, post_completion, wait_for
+from tests.fleet.router import ROUTER, Router
+from tests.helpers import Attached, post_completion
 from tests.vllm.conftest import free_port, vllm_skip_reason
 
 pytestmark = [pytest.mark.root, pytest.mark.long]
 
 VENV = os.environ.get("KVTRACE_NIXL_VENV", "/var/cache/kvtrace/nixl-venv")
 BLOCK, PROMPT, DIRECT, N = 32, 700, 3, 6
-ROUTER = os.environ.get("KVTRACE_ROUTER_VENV", "/var/cache/kvtrace/router-venv") + "/bin/vllm-router"
 M = TINY_LLAMA
 BLOCK_BYTES = (2 * M["num_hidden_layers"] * BLOCK * M["num_key_value_heads"]
                * (M["hidden_size"] // M["num_attention_heads"]) * 2)
@@ -110,7 +110,7 @@ def scenario(p: VllmServer, d: VllmServer, base: Path) -> dict:
     rows = []
     root = base / "ds"
     with Attached(p.port, root, env={"KVTRACE_HOST": "prefill-host"}), Attached(d.port, root, "--uprobe", "ucx", env={"KVTRACE_HOST": "decode-host"}):
-        router = PdRouter(base, p, d)
+        router = Router(base, [], "round_robin", pd=(p, d))
         try:
             for i in range(N):
                 rows.append(one(p, d, router if i >= DIRECT else None, workload.tokens(rnd, PROMPT), i))
@@ -155,33 +155,6 @@ def one(p: VllmServer, d: VllmServer, router, prompt: list[int], i: int) -> dict
     time.sleep(1.5)   # the engine's stats reach /metrics
     return {"d": dr, "ttft": ttft, "external": counter(d, EXTERNAL) - e0, "nixl_bytes": counter(d, NIXL_BYTES) - b0}
 
-
-class PdRouter:
-    def __init__(self, base: Path, p: VllmServer, d: VllmServer):
-        self.port = free_port(8400, 8449)
-        self.log = base / "pd-router.log"
-        self.proc = subprocess.Popen([ROUTER, "--host", "127.0.0.1", "--port", str(self.port), "--vllm-pd-disaggregation",
-                                      "--prefill", p.url, "--decode", d.url, "--kv-connector", "nixl",
-                                      "--policy", "round_robin", "--log-level", "debug",
-                                      "--prometheus-port", str(free_port(8450, 8499))],
-                                     stdout=open(self.log, "wb"), stderr=subprocess.STDOUT)
-        self.url = f"http://127.0.0.1:{self.port}"
-        wait_for(self._up, 120, "the router")
-
-    def _up(self) -> bool:
-        import urllib.request
-
-        assert self.proc.poll() is None, self.log.read_text(errors="replace")[-2000:]
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(30)
 
 
 def skew(root: Path, host: str, ns: int) -> None:

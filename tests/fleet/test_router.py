@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -32,12 +31,12 @@ from kvtrace.analysis.report import analyze
 from kvtrace.dataset.reader import Dataset
 from kvtrace.demo.server import VllmServer
 from kvtrace.servers.kvdecode import tokens_hash
+from tests.fleet.router import ROUTER, Router
 from tests.helpers import Attached, dev_post, post_completion, wait_for
 from tests.vllm.conftest import free_port, prefix_caching, vllm_skip_reason
 
 pytestmark = [pytest.mark.root]
 
-ROUTER = os.environ.get("KVTRACE_ROUTER_VENV", "/var/cache/kvtrace/router-venv") + "/bin/vllm-router"
 BLOCK, PREFIX, SUFFIX, N, POOL = 32, 128, 40, 24, 12
 PROMPT = PREFIX + SUFFIX
 TOP = BLOCK * ((PROMPT - 1) // BLOCK)   # the most vLLM can hit: 160 of 168
@@ -55,32 +54,6 @@ def replica(base: Path, core: int, name: str) -> VllmServer:
 def completions(srv: VllmServer) -> int:
     return srv.log_path.read_text(errors="replace").count('"POST /v1/completions HTTP/1.1" 200')
 
-
-class Router:
-    def __init__(self, base: Path, workers: list[VllmServer], policy: str):
-        self.port = free_port(8400, 8449)
-        self.log = base / f"router-{policy}.log"
-        self.proc = subprocess.Popen([ROUTER, "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls",
-                                      *[w.url for w in workers], "--policy", policy, "--log-level", "debug",
-                                      "--prometheus-port", str(free_port(8450, 8499))],
-                                     stdout=open(self.log, "wb"), stderr=subprocess.STDOUT)
-        self.url = f"http://127.0.0.1:{self.port}"
-        wait_for(self._up, 120, "the router")
-
-    def _up(self) -> bool:
-        import urllib.request
-
-        assert self.proc.poll() is None, self.log.read_text(errors="replace")[-2000:]
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(30)
 
 
 def prompts() -> list[list[int]]:
