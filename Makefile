@@ -10,7 +10,7 @@ COMPAT_RELEASES := 0.28.0 0.30.0 0.31.0 0.32.0
 VLLM ?= $(COMPAT_RELEASES)
 NEWEST := 0.33.0
 
-.PHONY: setup setup-vllm setup-sglang setup-lmcache setup-nixl setup-router setup-engines demo test test-long unit compat lab bench bench-short engines clean
+.PHONY: setup setup-vllm setup-sglang setup-lmcache setup-nixl setup-router setup-engines demo test test-long unit compat lab bench bench-short bench-fleet engines clean
 
 setup:
 	bash scripts/setup-host
@@ -74,6 +74,12 @@ bench: setup-vllm
 # Every benchmark in its short mode (about N minutes): that they still run, by hand
 bench-short: setup-vllm
 	$(PY) bench/run.py --short
+
+# How the fleet report's cost grows with the hosts and the requests: `analyze` on DuckDB and Spark
+# over 1 to 64 hosts synthesised from the recorded fleet run (tests/fleet/bench_fleet_scale.py;
+# about 5 minutes on 2 idle CPUs, most of it Spark)
+bench-fleet: setup
+	$(PY) -m tests.fleet.bench_fleet_scale
 
 # One shared-prefix workload on vLLM and on SGLang, each at two chunk sizes, attached and
 # compared (docs/analysis.md, "vLLM against SGLang"; about 8 minutes)

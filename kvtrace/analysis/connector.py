@@ -62,23 +62,32 @@ FIGURES: dict[str, str] = {
           UNION ALL SELECT connector, 0, 0, 0, 0, 0, blocks FROM kvi) t GROUP BY connector ORDER BY connector""",
     # per counter: its rise from its first to its last scrape (per run, summed over labels) beside
     # the hits of kvtrace's first admissions whose step started in that window
-    "hit_window": f"""WITH m AS (SELECT run, name, ts_ns, SUM(value) AS v FROM server_metrics
-          WHERE kind = 'vllm' AND name IN ({_IN}) GROUP BY run, name, ts_ns),
-        w AS (SELECT run, name, MIN(ts_ns) AS t0, MAX(ts_ns) AS t1 FROM m GROUP BY run, name
+    # per server (its port; 0: the run's one server), the counters' rise from its first to its last
+    # scrape, against kvtrace's hits in that server's engines' admissions in that window: servers
+    # are scraped at different instants, so a rise never mixes two servers' samples
+    "hit_window": f"""WITH m AS (SELECT run, COALESCE(server, 0) AS server, name, ts_ns, SUM(value) AS v FROM server_metrics
+          WHERE kind = 'vllm' AND name IN ({_IN}) GROUP BY run, COALESCE(server, 0), name, ts_ns),
+        w AS (SELECT run, server, name, MIN(ts_ns) AS t0, MAX(ts_ns) AS t1 FROM m GROUP BY run, server, name
               HAVING COUNT(*) >= 2),
-        c AS (SELECT w.run, w.name, w.t0, w.t1, l.v - f.v AS rise FROM w
-              JOIN m f ON f.run = w.run AND f.name = w.name AND f.ts_ns = w.t0
-              JOIN m l ON l.run = w.run AND l.name = w.name AND l.ts_ns = w.t1),
-        a AS (SELECT a.run, s.t_start_ns AS t, a.cached_local, a.cached_external FROM adm a
-              JOIN stp s ON s.run = a.run AND s.pid = a.pid AND s.step = a.step WHERE a.attempt = 0),
-        k AS (SELECT c.run, c.name, MAX(c.rise) AS rise, COALESCE(SUM(CASE c.name {_KV} END), 0) AS hits,
+        c AS (SELECT w.run, w.server, w.name, w.t0, w.t1, l.v - f.v AS rise FROM w
+              JOIN m f ON f.run = w.run AND f.server = w.server AND f.name = w.name AND f.ts_ns = w.t0
+              JOIN m l ON l.run = w.run AND l.server = w.server AND l.name = w.name AND l.ts_ns = w.t1),
+        sv AS (SELECT run, pid, MAX(server) AS server FROM servers GROUP BY run, pid),
+        a AS (SELECT a.run, COALESCE(sv.server, 0) AS server, s.t_start_ns AS t, a.cached_local, a.cached_external
+              FROM adm a JOIN stp s ON s.run = a.run AND s.pid = a.pid AND s.step = a.step
+              LEFT JOIN sv ON sv.run = a.run AND sv.pid = a.pid WHERE a.attempt = 0),
+        x AS (SELECT x.run, COALESCE(sv.server, 0) AS server, x.t_ns, x.ext_tokens FROM kva x
+              LEFT JOIN sv ON sv.run = x.run AND sv.pid = x.pid),
+        k AS (SELECT c.run, c.server, c.name, MAX(c.rise) AS rise, COALESCE(SUM(CASE c.name {_KV} END), 0) AS hits,
                      COUNT(a.t) AS admissions
-              FROM c LEFT JOIN a ON a.run = c.run AND a.t >= c.t0 AND a.t <= c.t1 GROUP BY c.run, c.name),
-        g AS (SELECT c.run, c.name, COALESCE(SUM(x.ext_tokens), 0) AS granted, COUNT(x.t_ns) AS allocs
-              FROM c LEFT JOIN kva x ON x.run = c.run AND x.t_ns >= c.t0 AND x.t_ns <= c.t1 GROUP BY c.run, c.name)
+              FROM c LEFT JOIN a ON a.run = c.run AND (c.server = 0 OR a.server = c.server) AND a.t >= c.t0 AND a.t <= c.t1
+              GROUP BY c.run, c.server, c.name),
+        g AS (SELECT c.run, c.server, c.name, COALESCE(SUM(x.ext_tokens), 0) AS granted, COUNT(x.t_ns) AS allocs
+              FROM c LEFT JOIN x ON x.run = c.run AND (c.server = 0 OR x.server = c.server) AND x.t_ns >= c.t0
+                   AND x.t_ns <= c.t1 GROUP BY c.run, c.server, c.name)
         SELECT k.name, SUM(k.rise) AS engine, SUM(k.hits) AS kvtrace, SUM(k.admissions) AS admissions,
                SUM(g.granted) AS granted, SUM(g.allocs) AS allocs
-        FROM k JOIN g ON g.run = k.run AND g.name = k.name GROUP BY k.name ORDER BY k.name""",
+        FROM k JOIN g ON g.run = k.run AND g.server = k.server AND g.name = k.name GROUP BY k.name ORDER BY k.name""",
 }
 
 

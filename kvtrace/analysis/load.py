@@ -89,7 +89,7 @@ COLUMNS: dict[str, list[tuple[str, str, str]]] = {
                      ("port", "port", "I"), ("name", "name", "S"), ("delta", "delta", "I")],
     # built here from the dataset (server_metrics below), not read from files by the engines
     "server_metrics": [("kind", "kind", "S"), ("ts_ns", "ts_ns", "I"), ("name", "name", "S"),
-                       ("labels", "labels", "S"), ("value", "value", "F")],
+                       ("labels", "labels", "S"), ("value", "value", "F"), ("server", "server", "I")],
     "engine": [("pid", "pid", "I"), ("name", "name", "S"), ("version", "version", "S"), ("block_size", "block_size", "I")],
     # a KV connector as the scheduler sees it (kvtrace.analysis.connector)
     "kv_alloc": [("pid", "pid", "I"), ("step", "step", "I"), ("t_ns", "t_ns", "I"), ("request", "request", "S"),
@@ -265,7 +265,8 @@ def _strings(t: pa.Table, column: str) -> list:
 
 
 METRICS = pa.schema([("run", pa.string()), ("kind", pa.string()), ("ts_ns", pa.uint64()), ("name", pa.string()),
-                     ("labels", pa.string()), ("value", pa.float64())])
+                     ("labels", pa.string()), ("value", pa.float64()),
+                     ("server", pa.uint32())])   # null: the run's one server (a capture of several tags each sample)
 
 
 def server_metrics(inp: Inputs) -> pa.Table:

@@ -409,14 +409,15 @@ FIGURES: dict[str, str] = {
         (SELECT COALESCE(SUM(bytes * COALESCE(NULLIF(weight, 0), 1)), 0) FROM block_io WHERE op = 'R' AND (error = 0 OR error IS NULL)) AS block_read_bytes,
         (SELECT COALESCE(SUM(bytes * w), 0) FROM fread) AS file_read_bytes""",
     # the rise of each counter the report compares with the hook's, per server kind
-    "metrics": """WITH m AS (SELECT run, kind, ts_ns, name, SUM(value) AS v FROM server_metrics
+    "metrics": """WITH m AS (SELECT run, COALESCE(server, 0) AS server, kind, ts_ns, name, SUM(value) AS v FROM server_metrics
           WHERE name IN (
           'vllm:prefix_cache_hits_total', 'vllm:prefix_cache_queries_total', 'vllm:external_prefix_cache_hits_total',
           'vllm:external_prefix_cache_queries_total', 'vllm:num_preemptions_total', 'sglang:cached_tokens_total',
           'sglang:prompt_tokens_total', 'sglang:num_retracted_requests_total', 'sglang:evicted_tokens_total')
-          GROUP BY run, kind, ts_ns, name)
+          GROUP BY run, COALESCE(server, 0), kind, ts_ns, name)
         SELECT kind, name, SUM(rise) AS rise, SUM(scrapes) AS scrapes FROM (
-          SELECT run, kind, name, MAX(v) - MIN(v) AS rise, COUNT(*) AS scrapes FROM m GROUP BY run, kind, name) t
+          SELECT run, server, kind, name, MAX(v) - MIN(v) AS rise, COUNT(*) AS scrapes FROM m
+          GROUP BY run, server, kind, name) t
         GROUP BY kind, name ORDER BY COALESCE(kind, ''), name""",
     # ---- the KV connector as the scheduler sees it, and vLLM's hit counters against kvtrace's ----
     **connector.FIGURES,
