@@ -188,14 +188,15 @@ def correlate_dataset(root, run: str | None = None, write: bool = True,
     if not write:
         return [(rc, {}) for rc in done]
     out = [(rc, write_derived(ds, rc)) for rc in done]
-    if found:
-        write_handovers(ds, every, found, done)
+    if found:   # only the partitions of the runs correlated here: another agent's stay its own
+        write_handovers(ds, every, found, done, {(i.run, i.host) for i in infos})
     return out
 
 
-def write_handovers(ds: Dataset, every: list[RunInfo], found: list, done: list[RunCorrelation]) -> None:
-    """The prefill/decode pairs' handovers table, in each decode run's partition (both sides'
-    requests rows: this pass's, else the derived table already written)."""
+def write_handovers(ds: Dataset, every: list[RunInfo], found: list, done: list[RunCorrelation],
+                    mine: set[tuple[str, str]]) -> None:
+    """The prefill/decode pairs' handovers table, in the partition of each decode run of ``mine``
+    (both sides' requests rows: this pass's, else the derived table already written)."""
     offsets = {(i.run, i.host): i.clock_offset_ns for i in every}
     shifts = pd.align(found, offsets)
     pd.transport(ds, every, found)
@@ -209,6 +210,8 @@ def write_handovers(ds: Dataset, every: list[RunInfo], found: list, done: list[R
              if c in t.column_names]).to_pylist()}
     by = {(i.run, i.host): i for i in every}
     for key, rows in pd.rows(found, shifts, offsets, reqs).items():
+        if key not in mine:
+            continue
         info = by[key]
         t = schema.with_run(pa.Table.from_pylist(rows, schema=schema.TABLES["handovers"]), info.run)
         path = ds.root / "handovers" / f"host={info.host}" / f"date={info.date}" / f"{info.run}.parquet"
