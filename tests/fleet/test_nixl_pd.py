@@ -262,7 +262,9 @@ def test_ttft_parts_sum_to_ttft_and_the_client_saw_at_least_it(run):
     = queue + prefill + handoff + pull + first decode, each part not negative beyond the clock
     bound; it equals the requests rows of each side; the client, which sent to the prefill server
     before vLLM's arrival stamp and got the answer after the first token, saw at least it (less
-    the clock bound) and at most a second more (its HTTP round trips, the router's)."""
+    the clock bound); sending directly, at most a second more (its HTTP round trips).  Through
+    the router no upper bound: its own time before and after the servers (1.4 s once here) is
+    outside both servers."""
     hs, rows = handovers(run), run["rows"]
     req = {(x["host"], x["request"]): x for x in run["ds"].table("requests").to_pylist()}
     for h, r in zip(hs, rows):
@@ -273,7 +275,9 @@ def test_ttft_parts_sum_to_ttft_and_the_client_saw_at_least_it(run):
         assert h["prefill_ns"] == pq["prefill_end_ns"] - pq["first_scheduled_ns"]
         assert h["first_decode_ns"] + h["pull_ns"] == dq["prefill_end_ns"] - dq["arrival_ns"]
         client = int(r["ttft"] * 1e9)
-        assert h["ttft_ns"] - err <= client <= h["ttft_ns"] + err + 1_000_000_000, (h["ttft_ns"], client, err)
+        assert h["ttft_ns"] - err <= client, (h["ttft_ns"], client, err)
+        if h["how"] == "prompt" or h["p_request"].startswith("cmpl-x"):   # sent directly, not by the router
+            assert client <= h["ttft_ns"] + err + 1_000_000_000, (h["ttft_ns"], client, err)
 
 
 def test_one_otlp_trace_spans_both_servers(run):
