@@ -202,7 +202,10 @@ def write_handovers(ds: Dataset, every: list[RunInfo], found: list, done: list[R
     pd.transport(ds, every, found)
     fresh = {(rc.info.run, rc.info.host): rc.requests for rc in done}
     reqs = {}
+    involved = {(s.run, s.host) for x in found for s in (x.p, x.d)}
     for i in every:
+        if (i.run, i.host) not in involved:
+            continue
         t = fresh.get((i.run, i.host))
         t = t if t is not None else ds.table("requests", run=i.run, host=i.host, partitions=False)
         reqs[(i.run, i.host)] = {(r["engine_pid"], r["request"]): r for r in t.select(

@@ -24,7 +24,7 @@ one host share its clock: no shift.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvtrace.correlate import ids
 
@@ -75,7 +75,20 @@ class _Req:
     sent: int = 0
     alloc: dict | None = None
     loaded: int = 0
-    extra: dict = field(default_factory=dict)
+
+
+def prompt_key(r: dict) -> tuple | None:
+    """A prompt_blocks record's key for pairing (its prompt's length and last block hash), from
+    the record that holds the last hash; None from the others and for prompts under a block."""
+    hs = r["hashes"] or []
+    return (r["prompt_len"], hs[-1]) if hs and r["first"] + len(hs) == r["num_blocks"] else None
+
+
+def traceparent_of(run: str, request: str, own: str) -> str:
+    """The W3C traceparent naming a request's span in its trace (its own trace context, else
+    kvtrace's): what its decode side is handed."""
+    trace, _, _ = ids.trace_of(run, request, own)
+    return f"00-{trace.hex()}-{ids.request_span(trace, request).hex()}-01"
 
 
 def _rows(ds, name: str, info) -> list[dict]:
@@ -90,11 +103,9 @@ def _requests(ds, info) -> list[_Req]:
         return []
     keys: dict[tuple, tuple] = {}
     for r in _rows(ds, "prompt_blocks", info):
-        hs = r["hashes"] or []
-        if r["first"] + len(hs) == r["num_blocks"] and hs:
-            keys[(r["pid"], r["request"])] = (r["prompt_len"], hs[-1])
-        elif r["num_blocks"] == 0:
-            keys.setdefault((r["pid"], r["request"]), (r["prompt_len"], None))
+        k = prompt_key(r)
+        if k is not None:
+            keys[(r["pid"], r["request"])] = k
     arrive = {(r["pid"], r["request"]): r for r in _rows(ds, "arrive", info)}
     out: dict[tuple, _Req] = {}
 
@@ -240,9 +251,7 @@ def handoffs(found: list[Pair]) -> dict[tuple[str, str], dict[str, str]]:
     for x in found:
         if x.d.traceparent:
             continue
-        trace, _, _ = ids.trace_of(x.p.run, x.p.request, x.p.traceparent)
-        span = ids.request_span(trace, x.p.request)
-        out[(x.d.run, x.d.host)][x.d.request] = f"00-{trace.hex()}-{span.hex()}-01"
+        out[(x.d.run, x.d.host)][x.d.request] = traceparent_of(x.p.run, x.p.request, x.p.traceparent)
     return dict(out)
 
 

@@ -10,6 +10,7 @@ from collections import OrderedDict
 import pyarrow as pa
 
 from kvtrace.correlate import ids
+from kvtrace.correlate.pd import prompt_key, traceparent_of
 
 MAX = 4096
 
@@ -26,9 +27,9 @@ class LivePairs:
     def feed(self, tables: dict[str, pa.Table]) -> dict[str, str]:
         """Take one flush's records; the decode requests paired by it -> their traceparent."""
         for r in _rows(tables, "prompt_blocks"):
-            hs = r["hashes"] or []
-            if hs and r["first"] + len(hs) == r["num_blocks"]:
-                _put(self.keys, (r["pid"], r["request"]), (r["prompt_len"], hs[-1]))
+            k = prompt_key(r)
+            if k is not None:
+                _put(self.keys, (r["pid"], r["request"]), k)
         for r in _rows(tables, "arrive"):
             _put(self.tp, (r["pid"], r["request"]), r["traceparent"] or "")
         for r in _rows(tables, "kv_finish"):
@@ -45,8 +46,7 @@ class LivePairs:
             if p is None:
                 continue
             del self.prefill[p]
-            trace, _, _ = ids.trace_of(self.run, p[1], self.tp.get(p, ""))
-            new[r["request"]] = f"00-{trace.hex()}-{ids.request_span(trace, p[1]).hex()}-01"
+            new[r["request"]] = traceparent_of(self.run, p[1], self.tp.get(p, ""))
             _put(self.handed, r["request"], new[r["request"]])
             self.paired += 1
         return new
